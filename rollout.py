@@ -1,0 +1,100 @@
+"""Rollouts: sample G completions per prompt with HF `generate`, mask them, and score their tokens' log-probs.
+
+Two details decide whether the trainer sees the same distribution the sampler drew from:
+  * prompts are left-padded, so position ids must come from the attention mask (cumsum - 1), as `generate`
+    derives them; a plain arange would shift every padded row's positions;
+  * log-probs are taken at the sampling temperature: logits / temperature, then log-softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor  # (B, Lp) left-padded
+    prompt_mask: Tensor  # (B, Lp)
+    completion_ids: Tensor  # (B, T) right-padded (whatever follows the first EOS)
+    completion_mask: Tensor  # (B, T) 1 up to and including the first EOS
+    truncated: Tensor  # (B,) no EOS within max_new_tokens
+
+    @property
+    def input_ids(self) -> Tensor:  # (B, Lp + T)
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:  # (B, Lp + T); tokens after EOS are attended but never scored
+        return torch.cat([self.prompt_mask, torch.ones_like(self.completion_ids)], dim=1)
+
+    @property
+    def lengths(self) -> Tensor:  # (B,) |y_i|
+        return self.completion_mask.sum(-1)
+
+    def select(self, idx: Tensor) -> "Rollout":
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
+                       self.completion_mask[idx], self.truncated[idx])
+
+    @staticmethod
+    def concat(parts: list["Rollout"], pad_id: int) -> "Rollout":
+        """Join rollouts of different widths: prompts padded on the left, completions on the right."""
+        lp = max(p.prompt_ids.shape[1] for p in parts)
+        t = max(p.completion_ids.shape[1] for p in parts)
+        left = lambda x, v: F.pad(x, (lp - x.shape[1], 0), value=v)  # noqa: E731
+        right = lambda x, v: F.pad(x, (0, t - x.shape[1]), value=v)  # noqa: E731
+        return Rollout(
+            torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
+            torch.cat([left(p.prompt_mask, 0) for p in parts]),
+            torch.cat([right(p.completion_ids, pad_id) for p in parts]),
+            torch.cat([right(p.completion_mask, 0) for p in parts]),
+            torch.cat([p.truncated for p in parts]),
+        )
+
+
+def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+    """(mask, truncated): mask is 1 up to and including the first EOS; a row without EOS is truncated.
+
+    Works when pad == eos: only the first EOS counts, so the padding generate writes after it is masked out.
+    """
+    is_eos = completion_ids == eos_id  # (B, T)
+    seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly before this position
+    return (~seen_before).long(), ~is_eos.any(dim=1)
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+             greedy: bool = False) -> Rollout:
+    """One completion per prompt string (repeat a prompt G times to get a group)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    completion = out[:, enc["input_ids"].shape[1]:]  # (B, T)
+    mask, truncated = completion_mask(completion, tokenizer.eos_token_id)
+    return Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                        temperature: float = 1.0, with_entropy: bool = False):
+    """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
+
+    Only the T logits that predict completion tokens are computed (logits_to_keep), and the log-softmax is taken
+    as logit - logsumexp, without materialising a (B, T, V) log-prob tensor. With `with_entropy`, also returns the
+    per-token entropy (B, T) of the tempered distribution, without gradient.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=num_completion + 1, use_cache=False).logits
+    logits = logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
+    targets = input_ids[:, -num_completion:]  # (B, T)
+    logz = torch.logsumexp(logits, dim=-1)  # (B, T)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = log Z - E_p[logit]
+    return logp, entropy

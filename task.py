@@ -1,0 +1,156 @@
+"""The embedded default task, and loading a task from JSONL.
+
+The default task is a remainder computed by repeated subtraction, written out step by step:
+
+    prompt:      47 mod 13 =
+    completion:   47-13=34 34-13=21 21-13=8 <answer>8</answer><eos>
+
+Every step only needs what is a few characters back (the running value and the divisor), so a ~1M-parameter
+model learns the format in a couple of minutes on a CPU. A problem takes 1 to 4 subtractions, so a completion has
+10 to 42 tokens: lengths within one batch differ by more than 3x, the regime where token-level and
+sequence-level importance ratios behave differently. The divisor d is 3..19 except 5, 10 (and 2): the
+divisors of 10 would hide the teacher's mistake below.
+
+Why RL, not more supervised training, improves the warm-started policy: the demonstrations come from a *noisy
+teacher*. On the first step that needs a borrow (ones digit of s smaller than d's), the teacher forgets to borrow
+with probability `slip_prob` (default 0.6) and writes a result 10 too large, then carries on correctly from there;
+the answer is wrong. Supervised training imitates the teacher, slips included: the most likely token on a borrow
+step is the wrong one, so greedy decoding fails on most problems that borrow, while sampling at temperature 1 is
+right often enough that groups of G completions have mixed rewards. More imitation cannot fix that; a
+verifier-driven objective can.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
+MAX_STEPS = 4
+
+# Appended to a prompt for models that have a chat template (instruct models), which were not trained on the
+# embedded task's bare format and need to be told where the answer goes.
+INSTRUCTION = "Work step by step, then give only the final answer inside <answer></answer> tags."
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+class TaskError(ValueError):
+    """A dataset that cannot be used; the message says what is wrong and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generated task
+# ---------------------------------------------------------------------------------------------------------------
+
+Problem = tuple[int, int]  # (n, d): compute n mod d
+
+
+def all_problems() -> list[Problem]:
+    return [(n, d) for d in DIVISORS for n in range(d, (MAX_STEPS + 1) * d)]
+
+
+def prompt_text(problem: Problem) -> str:
+    n, d = problem
+    return f"{n} mod {d} ="
+
+
+def borrows(s: int, d: int) -> bool:
+    return s >= 10 and s % 10 < d % 10
+
+
+def solve(problem: Problem, rng: random.Random | None = None, slip_prob: float = 0.0) -> str:
+    """The worked solution; with `rng` and `slip_prob` > 0, the noisy teacher's version (see module docstring)."""
+    s, d = problem
+    steps, slipped = [], False
+    while s >= d:
+        r = s - d
+        if rng is not None and not slipped and borrows(s, d) and rng.random() < slip_prob:
+            r, slipped = r + 10, True
+        steps.append(f"{s}-{d}={r}")
+        s = r
+    return " " + " ".join(steps) + f" {ANSWER_OPEN}{s}{ANSWER_CLOSE}"
+
+
+def is_heldout(problem: Problem) -> bool:
+    """A fixed 20% of all problems is held out, chosen by a hash of the prompt: disjoint, seed-independent."""
+    return zlib.crc32(prompt_text(problem).encode()) % 5 == 0
+
+
+def split(heldout: bool) -> list[Problem]:
+    return [p for p in all_problems() if is_heldout(p) == heldout]
+
+
+def default_splits() -> tuple[list[Example], list[Example]]:
+    """The embedded task as (train, held-out) lists of Examples with their correct answers."""
+    as_examples = lambda problems: [Example(prompt_text(p), str(p[0] % p[1])) for p in problems]  # noqa: E731
+    return as_examples(split(False)), as_examples(split(True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSONL datasets: one {"prompt": ..., "answer": ...} object per line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_jsonl(path: str | Path) -> list[Example]:
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"dataset file {path} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+                raise TaskError(f"{path}:{lineno}: a row needs both \"prompt\" and \"answer\" fields")
+            rows.append(Example(str(row["prompt"]), str(row["answer"])))
+    if not rows:
+        raise TaskError(f"dataset file {path} has no rows; it needs at least one {{\"prompt\", \"answer\"}} line")
+    return rows
+
+
+def write_jsonl(path: str | Path, examples: list[Example]) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps({"prompt": ex.prompt, "answer": ex.answer}) + "\n")
+
+
+def heldout_split(examples: list[Example], fraction: float = 0.1, max_heldout: int = 200) -> tuple[list, list]:
+    """Split a loaded dataset into (train, held-out) by a hash of the prompt: stable across runs and seeds."""
+    n = len(examples)
+    if n < 2:
+        raise TaskError(f"a dataset needs at least 2 rows to hold some out for evaluation, it has {n}")
+    test = [ex for ex in examples if zlib.crc32(ex.prompt.encode()) % 1000 < fraction * 1000][:max_heldout]
+    test = test or examples[-1:]
+    test_ids = {id(ex) for ex in test}
+    return [ex for ex in examples if id(ex) not in test_ids], test
+
+
+def load_hub_dataset(name: str, split: str = "train") -> list[Example]:
+    """A hub dataset with `prompt` (or `question`) and `answer` columns; GSM8K-style answers keep what follows
+    '####'. Needs the optional `datasets` package and a reachable hub."""
+    try:
+        import datasets
+    except ImportError:
+        raise TaskError(f"{name!r} is not a file; loading hub datasets needs `pip install datasets` "
+                        "(or pass a JSONL file of {\"prompt\", \"answer\"} rows)")
+    try:
+        rows = datasets.load_dataset(name, split=split)
+    except Exception as e:  # the hub client raises many types; all mean the same thing here
+        raise TaskError(f"could not load dataset {name!r} ({type(e).__name__}); pass a JSONL file instead")
+    key = "prompt" if "prompt" in rows.column_names else "question"
+    if key not in rows.column_names or "answer" not in rows.column_names:
+        raise TaskError(f"dataset {name!r} needs prompt (or question) and answer columns, has {rows.column_names}")
+    return [Example(r[key], str(r["answer"]).split("####")[-1].strip()) for r in rows]
