@@ -68,7 +68,7 @@ class Args:
     """passes over each rollout"""
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: a whole minibatch at once"""
-    lr: float = 2e-4
+    lr: float = 5e-5
     """AdamW learning rate"""
     lr_scheduler: str = "constant_with_warmup"
     """any transformers scheduler name (linear, cosine, constant_with_warmup, ...)"""
