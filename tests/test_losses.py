@@ -1,0 +1,311 @@
+"""The numerical properties of losses.py, each against values derived by hand (see shared notes, algorithms.md)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import losses
+from losses import PRESETS, LossConfig, StepNorm
+
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Exact comparisons need double precision; restored after each test so other modules are unaffected."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+# The notes' toy batch: one group of G=4, rewards [1, 0, 0, 1], lengths [3, 5, 2, 2], max_new_tokens 8.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
+LENGTHS = [3, 5, 2, 2]
+MAX_NEW = 8
+T = 6  # padded width
+Z = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # centred reward 0.5 over unbiased std sqrt(1/3), eps 1e-4 = 0.865875
+
+
+def toy_mask(lengths=LENGTHS, width=T):
+    return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+
+
+def leaf(x):
+    return x.clone().requires_grad_(True)
+
+
+def run(cfg, logp, old, adv, mask, ref=None, max_new=MAX_NEW):
+    loss, diag = losses.policy_loss(logp, old, adv, mask, StepNorm.of(mask, max_new), cfg, ref)
+    loss.backward()
+    return loss.item(), logp.grad.clone(), diag
+
+
+def on_policy(seed=0, lengths=LENGTHS, width=T):
+    mask = toy_mask(lengths, width)
+    old = -torch.rand(len(lengths), width, generator=torch.Generator().manual_seed(seed)) * 3
+    return leaf(old), old, mask
+
+
+def no_kl(cfg):
+    return replace(cfg, beta=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_toy_values():
+    adv = losses.group_advantages(REWARDS, 4)
+    assert torch.allclose(adv, torch.tensor([Z, -Z, -Z, Z]), atol=1e-9)
+    assert abs(Z - 0.865875) < 1e-6
+    assert torch.equal(losses.group_advantages(REWARDS, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_equal_rewards_give_exactly_zero_advantage():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.3, 0.3, 0.3])
+    for scale in (True, False):
+        adv = losses.group_advantages(rewards, 3, scale=scale)
+        assert torch.equal(adv, torch.zeros(6))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1 and 4: on-policy values, the toy batch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo,expected", [("grpo", 0.0), ("gspo", 0.0), ("dapo", 0.144313), ("dr_grpo", 0.054117)])
+def test_toy_batch_losses_with_zscore_advantages(algo, expected):
+    logp, old, mask = on_policy()
+    adv = torch.tensor([Z, -Z, -Z, Z])
+    loss, grad, diag = run(no_kl(PRESETS[algo]), logp, old, adv, mask)
+    assert loss == pytest.approx(expected, abs=1e-6)
+
+
+def test_toy_batch_dr_grpo_with_its_own_advantages():
+    logp, old, mask = on_policy()
+    adv = losses.group_advantages(REWARDS, 4, scale=PRESETS["dr_grpo"].scale_rewards)
+    loss, _, _ = run(PRESETS["dr_grpo"], logp, old, adv, mask)
+    assert loss == pytest.approx(0.03125, abs=1e-12)  # -(0.5*3 - 0.5*5 - 0.5*2 + 0.5*2) / (4*8)
+
+
+@pytest.mark.parametrize("algo", list(PRESETS))
+def test_on_policy_ratios_are_one_nothing_clips_loss_is_minus_agg_adv(algo):
+    logp, old, mask = on_policy(seed=1)
+    adv = torch.tensor([0.7, -1.3, 0.2, 0.4])  # not zero-mean, so -agg(A) is not 0
+    loss, grad, diag = run(PRESETS[algo], logp, old, adv, mask, ref=old)
+    n = torch.tensor(LENGTHS, dtype=torch.float64)
+    agg = {
+        "seq-mean-token-mean": adv.mean(),
+        "token-mean": (adv * n).sum() / n.sum(),
+        "seq-mean-token-sum-norm": (adv * n).sum() / (4 * MAX_NEW),
+    }[PRESETS[algo].loss_agg_mode]
+    assert loss == pytest.approx(-agg.item(), abs=1e-12)
+    assert diag["ratio/token_mean"] == 1.0 and diag["ratio/token_var"] == 0.0
+    assert diag["ratio/seq_mean"] == 1.0 and diag["clip/frac"] == 0.0 and diag["clip/token_frac"] == 0.0
+    assert all(diag[f"clip/shadow_{a}"] == 0.0 for a in PRESETS)
+    assert grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2: GSPO vs GRPO on-policy; GSPO-token vs GSPO everywhere
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_on_policy_gspo_gradient_equals_grpo_gradient():
+    adv = torch.tensor([Z, -Z, -Z, Z])
+    logp, old, mask = on_policy(seed=2)
+    _, g_grpo, _ = run(no_kl(PRESETS["grpo"]), logp, old, adv, mask)
+    logp, old, mask = on_policy(seed=2)
+    _, g_gspo, _ = run(PRESETS["gspo"], logp, old, adv, mask)
+    assert torch.equal(g_grpo, g_gspo) or torch.allclose(g_grpo, g_gspo, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.01, -0.02, 0.3])  # 0 is on-policy; 0.3 clips every sequence
+def test_gspo_token_equals_gspo_in_value_clipping_and_gradient(shift):
+    mask = toy_mask()
+    old = -torch.rand(4, T, generator=torch.Generator().manual_seed(3))
+    noise = torch.randn(4, T, generator=torch.Generator().manual_seed(4)) * 0.01
+    adv = torch.tensor([Z, -Z, -Z, Z])
+    cfg = PRESETS["gspo"]
+    seq, gs, ds = run(cfg, leaf(old + shift + noise), old, adv, mask)
+    tok, gt, dt = run(replace(cfg, importance_sampling_level="sequence_token"), leaf(old + shift + noise), old, adv, mask)
+    assert tok == pytest.approx(seq, abs=1e-12)
+    assert dt["clip/frac"] == ds["clip/frac"]
+    assert torch.allclose(gs, gt, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3: per-token gradient weights, on-policy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
+def test_per_token_gradient_weights(algo):
+    logp, old, mask = on_policy(seed=5)
+    adv = torch.tensor([0.9, -0.4, -1.1, 0.6])
+    _, grad, _ = run(no_kl(PRESETS[algo]), logp, old, adv, mask)
+    n = torch.tensor(LENGTHS, dtype=torch.float64).unsqueeze(-1)
+    a = adv.unsqueeze(-1)
+    expected = {"grpo": -a / (4 * n), "dapo": -a / n.sum(), "dr_grpo": -a / (4 * MAX_NEW)}[algo] * mask
+    assert torch.allclose(grad, expected, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5: clip gating
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_token_clip_binds_only_on_the_side_that_matters():
+    cfg = LossConfig("token", "token-mean", 0.2, 0.2)
+    mask = torch.ones(4, 1)
+    old = torch.zeros(4, 1)
+    w = torch.tensor([[0.5], [1.5], [1.5], [0.5]])  # ratios
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, grad, diag = run(cfg, leaf(torch.log(w)), old, adv, mask)
+    # rows 0, 1: out of range on the side where min keeps the unclipped term: gradient -A w / 4 (d w/d logp = w)
+    assert grad[0, 0].item() == pytest.approx(-1.0 * 0.5 / 4)
+    assert grad[1, 0].item() == pytest.approx(+1.0 * 1.5 / 4)
+    # rows 2, 3: clipping binds (high with A > 0, low with A < 0): no gradient
+    assert grad[2, 0].item() == 0.0 and grad[3, 0].item() == 0.0
+    assert diag["clip/token_high"] == 0.25 and diag["clip/token_low"] == 0.25 and diag["clip/frac"] == 0.5
+    # value: -(0.5) + 1.5 - 1.2 + 0.8 = 0.6, over 4 tokens
+    assert loss == pytest.approx((-0.5 + 1.5 - 1.2 + 0.8) / 4)
+
+
+def test_clipped_gspo_sequence_passes_no_gradient_to_any_token():
+    cfg = PRESETS["gspo"]
+    mask = toy_mask()
+    old = -torch.rand(4, T, generator=torch.Generator().manual_seed(6))
+    shift = torch.tensor([[0.01], [0.0], [-0.01], [0.0]])  # s_0 = e^0.01 > 1+4e-4 with A>0; s_2 < 1-3e-4 with A<0
+    adv = torch.tensor([Z, -Z, -Z, Z])
+    _, grad, diag = run(cfg, leaf(old + shift), old, adv, mask)
+    assert torch.equal(grad[0], torch.zeros(T)) and torch.equal(grad[2], torch.zeros(T))
+    assert (grad[1, :5] != 0).all() and (grad[3, :2] != 0).all()
+    assert diag["clip/seq_high"] == 0.25 and diag["clip/seq_low"] == 0.25 and diag["clip/frac"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6: micro-batches; 7: padding; 8: Dr.GRPO length independence
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def off_policy_batch(b=8, width=7, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (b,), generator=g)
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    old = -torch.rand(b, width, generator=g) * 2
+    logp = old + torch.randn(b, width, generator=g) * 0.1
+    ref = old + torch.randn(b, width, generator=g) * 0.1
+    adv = torch.randn(b, generator=g)
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("algo", list(PRESETS) + ["gspo_token"])
+def test_micro_batches_give_the_same_loss_and_gradient(algo):
+    cfg = replace(PRESETS["gspo"], importance_sampling_level="sequence_token") if algo == "gspo_token" else PRESETS[algo]
+    logp0, old, ref, adv, mask = off_policy_batch()
+    norm = StepNorm.of(mask, 9)
+    results = []
+    for parts in (1, 2, 4):
+        logp = leaf(logp0)
+        total = 0.0
+        for rows in torch.arange(8).split(8 // parts):
+            loss, _ = losses.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], norm, cfg, ref[rows])
+            loss.backward()
+            total += loss.item()
+        results.append((total, logp.grad.clone()))
+    for total, grad in results[1:]:
+        assert total == pytest.approx(results[0][0], abs=1e-6)
+        assert torch.allclose(grad, results[0][1], atol=1e-6)
+
+
+@pytest.mark.parametrize("algo", list(PRESETS))
+def test_padding_columns_change_nothing(algo):
+    logp0, old, ref, adv, mask = off_policy_batch()
+    loss_a, grad_a, diag_a = run(PRESETS[algo], leaf(logp0), old, adv, mask, ref, max_new=9)
+    pad = lambda x, v: torch.cat([x, torch.full((8, 3), v)], dim=1)  # noqa: E731
+    loss_b, grad_b, diag_b = run(PRESETS[algo], leaf(pad(logp0, -5.0)), pad(old, -0.1), adv, pad(mask, 0.0),
+                                 pad(ref, 3.0), max_new=9)
+    assert loss_b == pytest.approx(loss_a, abs=1e-12)
+    assert torch.allclose(grad_b[:, :7], grad_a, atol=1e-12) and torch.equal(grad_b[:, 7:], torch.zeros(8, 3))
+    assert diag_b["ratio/seq_var"] == pytest.approx(diag_a["ratio/seq_var"], abs=1e-12)
+
+
+def test_gspo_ratio_is_invariant_to_padding_and_token_order():
+    logp, old, _, _, mask = off_policy_batch()
+    s = losses.importance_weights(logp, old, mask, "sequence")[:, 0]
+    pad = lambda x, v: torch.cat([torch.full((8, 2), v), x], dim=1)  # noqa: E731
+    s_pad = losses.importance_weights(pad(logp, 9.0), pad(old, -9.0), pad(mask, 0.0), "sequence")[:, 0]
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    s_perm = losses.importance_weights(logp[:, perm], old[:, perm], mask[:, perm], "sequence")[:, 0]
+    expected = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    assert torch.allclose(s, expected) and torch.allclose(s_pad, expected) and torch.allclose(s_perm, expected)
+
+
+def test_dr_grpo_token_weight_does_not_depend_on_any_length():
+    adv = torch.tensor([0.9, -0.4, -1.1, 0.6])
+    grads = []
+    for lengths in ([3, 5, 2, 2], [3, 1, 6, 2], [6, 5, 1, 6]):
+        logp, old, mask = on_policy(seed=8, lengths=lengths)
+        _, grad, _ = run(PRESETS["dr_grpo"], logp, old, adv, mask)
+        grads.append(grad[:, 0])  # every row has its first token in all three layouts
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+    assert torch.allclose(grads[0], -adv / (4 * MAX_NEW))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9: KL
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_k3_value_and_gradient_match_closed_form():
+    logp = leaf(torch.tensor([-1.0, -2.0, -0.5]))
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    kl = losses.k3_kl(logp, ref)
+    d = ref - logp.detach()
+    assert torch.allclose(kl, torch.exp(d) - d - 1)
+    assert kl[2].item() == 0.0 and (kl >= 0).all()
+    kl.sum().backward()
+    assert torch.allclose(logp.grad, 1 - torch.exp(d))  # d/dlogp [e^(ref-logp) - (ref-logp) - 1]
+
+
+def test_kl_term_adds_beta_times_mean_k3_and_zero_beta_needs_no_reference():
+    logp0, old, ref, adv, mask = off_policy_batch()
+    cfg = replace(PRESETS["grpo"], beta=0.0)
+    base, _, _ = run(cfg, leaf(logp0), old, adv, mask, None)
+    with_kl, _, _ = run(replace(cfg, beta=0.04), leaf(logp0), old, adv, mask, ref)
+    per_seq_kl = (losses.k3_kl(logp0, ref) * mask).sum(-1) / mask.sum(-1)
+    assert with_kl - base == pytest.approx(0.04 * per_seq_kl.mean().item(), abs=1e-12)
+    with pytest.raises(ValueError, match="reference"):
+        run(replace(cfg, beta=0.04), leaf(logp0), old, adv, mask, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10: the seeds' claim, measured on synthetic log-ratios
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_length_buckets_show_sqrt_growth_and_shrinkage():
+    sigma, lengths, per = 0.05, [4, 16, 64, 256], 4000
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([n for n in lengths for _ in range(per)])
+    mask = (torch.arange(256).unsqueeze(0) < rows.unsqueeze(1)).double()
+    old = torch.zeros(len(rows), 256)
+    logp = torch.randn(len(rows), 256, generator=g) * sigma
+    buckets = losses.length_bucket_stats(logp, old, mask, num_buckets=4)
+    assert [b["len"] for b in buckets] == [4.0, 16.0, 64.0, 256.0]
+    for b in buckets:
+        assert b["std_logsum"] == pytest.approx(sigma * math.sqrt(b["len"]), rel=0.05)
+        assert b["std_log_s"] == pytest.approx(sigma / math.sqrt(b["len"]), rel=0.05)
+
+
+def test_shadow_clip_fractions_use_each_presets_own_level_and_range():
+    # Every token ratio is e^0.1 ~ 1.105 with A > 0: inside GRPO's 0.2 but outside GSPO's 4e-4.
+    mask = toy_mask()
+    old = torch.zeros(4, T)
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    diag = losses.ratio_diagnostics(old + 0.1, old, adv, mask, PRESETS["grpo"])
+    assert diag["clip/shadow_grpo"] == 0.0 and diag["clip/shadow_dapo"] == 0.0
+    assert diag["clip/shadow_gspo"] == 0.75  # three of four sequences have A > 0 and s > 1 + 4e-4
