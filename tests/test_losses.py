@@ -20,7 +20,7 @@ def float64():
     torch.set_default_dtype(previous)
 
 # The notes' toy batch: one group of G=4, rewards [1, 0, 0, 1], lengths [3, 5, 2, 2], max_new_tokens 8.
-REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
 LENGTHS = [3, 5, 2, 2]
 MAX_NEW = 8
 T = 6  # padded width
