@@ -269,12 +269,15 @@ def rollout_metrics(batch: Batch, adv: torch.Tensor, g: int) -> dict:
         "charts/completion_len": float(lengths.mean()),
         "charts/completion_len_min": float(lengths.min()),
         "charts/completion_len_max": float(lengths.max()),
-        "charts/len_correct": float(lengths[correct].mean()) if correct.any() else float("nan"),
-        "charts/len_incorrect": float(lengths[~correct].mean()) if (~correct).any() else float("nan"),
         "charts/truncated_frac": float(batch.ro.truncated.float().mean()),
         "charts/advantage_abs": float(adv.abs().mean()),
     }
     m.update({f"rewards/{k}": float(np.mean(v)) for k, v in batch.scores.items() if k != "reward"})
+    # Dr.GRPO's length-bias claim is about these two; a key is left out when its set is empty
+    if correct.any():
+        m["charts/len_correct"] = float(lengths[correct].mean())
+    if (~correct).any():
+        m["charts/len_incorrect"] = float(lengths[~correct].mean())
     return m
 
 

@@ -1,0 +1,49 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's modules live at the top level
+
+import model as models  # noqa: E402
+import task  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TINY = dict(version=1, steps=150, batch_size=32, lr=3e-3, slip_prob=0.5, hidden=64, layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory) -> Path:
+    """A tiny model after 150 supervised steps (3 s): it writes the answer format, so rewards vary within groups."""
+    return models.warm_start(seed=0, settings=TINY, cache=tmp_path_factory.mktemp("cache"), quiet=True)
+
+
+@pytest.fixture(scope="session")
+def random_chat_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised model whose tokenizer has a chat template and pad == eos, like many hub models."""
+    tok = models.build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    model = models.build_tiny_model(tok, seed=1, hidden=32, layers=2)
+    tok.pad_token = tok.eos_token
+    model.config.pad_token_id = tok.eos_token_id
+    out = tmp_path_factory.mktemp("random_chat")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def jsonl_dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "task.jsonl"
+    train, test = task.default_splits()
+    task.write_jsonl(path, train[:40] + test[:10])
+    return path
+
+
+@pytest.fixture
+def cpu():
+    return torch.device("cpu")

@@ -1,0 +1,62 @@
+"""Masks and log-probs: what the trainer scores must be what the sampler drew."""
+
+import torch
+
+import model as models
+import rollout
+
+EOS = 1
+
+
+def test_mask_keeps_the_first_eos_and_drops_what_follows():
+    ids = torch.tensor([[5, 6, EOS, 0, 0], [5, 6, 7, 8, 9], [EOS, 0, 0, 0, 0]])
+    mask, truncated = rollout.completion_mask(ids, EOS)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_mask_when_pad_equals_eos():
+    # generate pads with EOS after the first EOS; only the first one is part of the completion
+    ids = torch.tensor([[5, EOS, EOS, EOS], [EOS, EOS, EOS, EOS], [5, 6, 7, EOS]])
+    mask, truncated = rollout.completion_mask(ids, EOS)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert not truncated.any()
+
+
+def test_left_padded_logprobs_equal_unpadded_forward(tiny_policy_dir, cpu):
+    policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
+    torch.manual_seed(0)
+    prompts = ["7 mod 3 =", "47 mod 13 =", "100 mod 17 ="]  # different lengths: rows 0, 1 are left-padded
+    ro = rollout.generate(policy, tok, prompts, max_new_tokens=12, temperature=1.0)
+    assert ro.prompt_mask[0, 0] == 0  # padding really is on the left
+    t = ro.completion_ids.shape[1]
+    batched = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, t, temperature=0.7)
+    for i in range(3):
+        keep = ro.attention_mask[i].bool()
+        ids = ro.input_ids[i][keep].unsqueeze(0)
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, -t - 1:-1] / 0.7  # plain forward, no padding
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, -t:].unsqueeze(-1)).squeeze(-1)
+        valid = ro.completion_mask[i].bool()
+        assert torch.allclose(batched[i][valid], expected[valid], atol=1e-5)
+
+
+def test_entropy_matches_definition(tiny_policy_dir, cpu):
+    policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
+    enc = tok(["5 mod 3 = 5-3=2"], return_tensors="pt")
+    logp, ent = rollout.completion_logprobs(policy, enc["input_ids"], enc["attention_mask"], 4, 1.3, with_entropy=True)
+    with torch.no_grad():
+        logits = policy(**enc).logits[0, -5:-1] / 1.3
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(ent[0], -(p * torch.log(p)).sum(-1), atol=1e-5)
+
+
+def test_concat_pads_prompts_left_and_completions_right():
+    a = rollout.Rollout(torch.tensor([[3, 4]]), torch.tensor([[1, 1]]), torch.tensor([[5, EOS]]),
+                        torch.tensor([[1, 1]]), torch.tensor([False]))
+    b = rollout.Rollout(torch.tensor([[3]]), torch.tensor([[1]]), torch.tensor([[5, 6, EOS]]),
+                        torch.tensor([[1, 1, 1]]), torch.tensor([False]))
+    c = rollout.Rollout.concat([a, b], pad_id=0)
+    assert c.prompt_ids.tolist() == [[3, 4], [0, 3]] and c.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert c.completion_ids.tolist() == [[5, EOS, 0], [5, 6, EOS]]
+    assert c.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]

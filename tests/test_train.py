@@ -1,0 +1,117 @@
+"""The loop end to end on tiny models: every objective trains, metrics stay finite, runs repeat, wandb reads back."""
+
+import glob
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+
+SMALL = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, total_steps=2,
+             eval_every=2, eval_size=8, lr=1e-3, warmup_steps=0, wandb_mode="disabled")
+
+
+def run(tmp_path, model_dir, **kw):
+    args = train.Args(**{**SMALL, "model": str(model_dir), "output_dir": str(tmp_path), **kw})
+    summary = train.train(args)
+    name = kw.get("run_name") or f"{args.algo}-s{args.seed}"
+    metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+    return summary, metrics, tmp_path / name
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_policy_dir, algo):
+    # DAPO's dynamic sampling may need a few rounds on a barely trained model
+    summary, metrics, run_dir = run(tmp_path, tiny_policy_dir, algo=algo, max_sampling_rounds=30)
+    before = load_file(tiny_policy_dir / "model.safetensors")
+    after = load_file(run_dir / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    steps = [m for m in metrics if m["step"] > 0]
+    assert len(steps) == 2
+    for m in steps:
+        for key in ("losses/policy_loss", "losses/grad_norm", "losses/entropy", "ratio/token_var", "ratio/seq_var",
+                    "ratio/seq_logsum_var", "clip/frac", "clip/token_frac", "clip/seq_frac", "charts/reward"):
+            assert m[key] is not None and math.isfinite(m[key]), key
+        assert all(v is None or math.isfinite(v) for k, v in m.items() if isinstance(v, float))
+        assert m["losses/skipped_updates"] == 0
+    assert (metrics[-1].get("losses/kl_ref") is not None) == (algo == "grpo")
+    if algo == "dapo":
+        assert metrics[-1]["dynamic/drawn"] >= 4
+
+
+def test_same_seed_same_metrics(tmp_path, tiny_policy_dir):
+    _, a, _ = run(tmp_path / "a", tiny_policy_dir, algo="gspo", save_model=False)
+    _, b, _ = run(tmp_path / "b", tiny_policy_dir, algo="gspo", save_model=False)
+    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    assert drop(a) == drop(b)
+
+
+def test_on_policy_run_skips_pi_old_and_nothing_clips(tmp_path, tiny_policy_dir, capsys):
+    _, metrics, _ = run(tmp_path, tiny_policy_dir, algo="grpo", num_minibatches=1, save_model=False)
+    assert "fully on-policy" in capsys.readouterr().out
+    assert all(m["clip/frac"] == 0.0 and m["ratio/token_var"] == 0.0 for m in metrics if m["step"] > 0)
+
+
+def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset):
+    # a randomly initialised model saved with save_pretrained, pad == eos, a chat template, a JSONL dataset
+    summary, metrics, run_dir = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
+                                    total_steps=1, max_new_tokens=8)
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    assert (run_dir / "final" / "config.json").is_file()
+    import model as models
+    tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
+    assert models.format_prompt(tok, "2 mod 3 =").startswith("<|user|>2 mod 3 =")
+
+
+def read_wandb_history(path: Path) -> list[dict]:
+    """History rows of an offline .wandb file (a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, buf, records = path.read_bytes(), 32768, 7, b"", []  # 7-byte file header
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            records.append(buf)
+            buf = b""
+    rows = []
+    for raw in records:
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_policy_dir, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert train.wandb_mode(None) == "offline"
+    run(tmp_path, tiny_policy_dir, algo="gspo", wandb_mode=None, save_model=False)
+    files = glob.glob(str(tmp_path / "gspo-s0" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    rows = [r for r in read_wandb_history(Path(files[0])) if r.get("_step", 0) > 0]
+    assert len(rows) == 2
+    for key in ("ratio/token_var", "ratio/seq_var", "ratio/seq_logsum_var", "clip/frac", "clip/token_frac",
+                "clip/seq_frac", "clip/shadow_grpo", "clip/shadow_gspo", "lenbucket/q1_std_logsum"):
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(num_generations=1), "--num-generations must be at least 2"),
+    (dict(num_minibatches=3), "--num-minibatches 3 must divide"),
+])
+def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
+    with pytest.raises(train.ConfigError, match=message):
+        train.train(train.Args(**{**SMALL, **flags, "output_dir": str(tmp_path)}))
