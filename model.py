@@ -1,6 +1,6 @@
 """Models: pick the device, load a policy (hub id, local directory or .gguf file), or build the embedded default.
 
-The embedded default is a ~0.8M-parameter Llama with a character-level tokenizer, both plain transformers
+The embedded default is a 0.67M-parameter Llama with a character-level tokenizer, both plain transformers
 objects: they save and load with save_pretrained / from_pretrained and go through the same code as a hub model.
 Its starting policy comes from a short supervised warm start on the noisy teacher of task.py, cached on disk.
 """
@@ -18,8 +18,11 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 import task
+
+hf_logging.disable_progress_bar()  # per-file load/save bars would bury the training log (and error lines)
 
 
 class ModelError(ValueError):
@@ -93,6 +96,8 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a hub id, a local model directory, or a .gguf file (dequantised by transformers)."""
     kwargs, source = {}, name
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
+        raise ModelError(f"model path {name} does not exist; pass a model directory, a .gguf file or a hub id")
     if name.endswith(".gguf"):
         path = Path(name)
         if not path.is_file():
@@ -103,8 +108,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # loaders raise many types (OSError, ValueError, ImportError, ...); all mean "cannot load"
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ModelError(f"could not load model {name!r}: {first}")
     return prepare(model, tokenizer, device)
 

@@ -13,6 +13,8 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -24,6 +26,7 @@ import torch
 import tyro
 from transformers import get_scheduler
 
+import checkpoint
 import losses
 import model as models
 import rewards
@@ -119,6 +122,18 @@ class Args:
     wandb_tags: tuple[str, ...] = ()
     save_model: bool = True
     """save the final policy with save_pretrained"""
+
+    # checkpoints and guards
+    save_every: int = 0
+    """write a checkpoint every this many steps (0: only when stopped by a signal or an error)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: str | None = None
+    """'auto' (this run's latest checkpoint, if any), a checkpoint folder, or a run folder"""
+    overwrite: bool = False
+    """replace an existing run folder of the same name instead of refusing"""
+    max_nonfinite_steps: int = 3
+    """stop after this many steps in a row whose every update had a non-finite loss or gradient"""
 
 
 OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards")
@@ -228,7 +243,7 @@ class ConfigError(ValueError):
 def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tuple[Batch, dict]:
     """P groups of G completions. With dynamic sampling (DAPO), groups whose correctness is all 0 or all 1 are
     dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw correctness."""
-    g, kept, drawn, all_correct = args.num_generations, [], 0, []
+    g, kept, drawn, all_correct, uniform = args.num_generations, [], 0, [], []
     for _ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
         batch = sample_batch(policy, tokenizer, stream.take(args.num_prompts), args)
         drawn += args.num_prompts
@@ -237,19 +252,23 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tupl
         if not args.dynamic_sampling:
             kept.append(batch)
             break
-        mixed = (correct.max(1).values != correct.min(1).values).nonzero().flatten().tolist()
+        is_mixed = correct.max(1).values != correct.min(1).values  # (P,)
+        mixed = is_mixed.nonzero().flatten().tolist()
+        uniform += [(batch.examples[i * g].prompt, "all right" if correct[i, 0] else "all wrong")
+                    for i in (~is_mixed).nonzero().flatten().tolist()]
         if mixed:
             kept.append(select_groups(batch, mixed, g))
         if sum(len(b.examples) for b in kept) >= args.num_prompts * g:
             break
-    batch = join(kept, tokenizer.pad_token_id)
-    n_rows = args.num_prompts * g
-    if len(batch.examples) < n_rows:
+    n_rows, n_kept = args.num_prompts * g, sum(len(b.examples) for b in kept)
+    if n_kept < n_rows:
         raise DynamicSamplingError(
-            f"dynamic sampling found {len(batch.examples) // g} of {args.num_prompts} prompt groups with mixed "
-            f"correctness after {args.max_sampling_rounds} rounds ({drawn} prompts drawn); raise "
-            f"--max-sampling-rounds, raise --num-generations, or turn it off with --no-dynamic-sampling")
-    batch = select_groups(batch, list(range(args.num_prompts)), g) if len(batch.examples) > n_rows else batch
+            f"dynamic sampling found {n_kept // g} of {args.num_prompts} prompt groups with mixed "
+            f"correctness after {args.max_sampling_rounds} rounds ({drawn} prompts drawn; e.g. "
+            + "; ".join(f"{p!r} {v}" for p, v in uniform[:3])
+            + "). Raise --max-sampling-rounds or --num-generations, or turn it off with --no-dynamic-sampling")
+    batch = join(kept, tokenizer.pad_token_id)
+    batch = select_groups(batch, list(range(args.num_prompts)), g) if n_kept > n_rows else batch
     correct = torch.cat(all_correct)
     stats = {"dynamic/drawn": drawn, "dynamic/dropped": drawn - args.num_prompts if args.dynamic_sampling else 0,
              "charts/all_wrong_group_frac": float((correct.max(1).values == 0).float().mean()),
@@ -331,12 +350,12 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if math.isfinite(total) and torch.isfinite(grad_norm):
                 optimizer.step()
+                scheduler.step()
                 step_losses.append(total)
                 grad_norms.append(float(grad_norm))
             else:  # a non-finite loss or gradient would poison the weights: skip this update
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
     # Diagnostics over every row scored during the update, each against pi_old: the statistics of the ratios
     # that the objective actually saw.
     rows = torch.cat(seen_rows)
@@ -401,13 +420,14 @@ def wandb_mode(requested: str | None) -> str:
 class Logger:
     """One metrics.jsonl per run (the sweep report reads it) and wandb with the same keys."""
 
-    def __init__(self, args: Args, run_dir: Path):
+    def __init__(self, args: Args, run_dir: Path, wandb_id: str | None = None):
         import wandb
 
         self.file = (run_dir / "metrics.jsonl").open("a")
         self.run = wandb.init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
                               tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
-                              mode=wandb_mode(args.wandb_mode), settings=wandb.Settings(console="off", silent=True))
+                              mode=wandb_mode(args.wandb_mode), id=wandb_id, resume="allow" if wandb_id else None,
+                              settings=wandb.Settings(console="off", silent=True))
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
@@ -432,68 +452,208 @@ def console_line(step: int, total: int, m: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+CHECKS = [  # (is the value wrong?, message): checked before any work is done
+    (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
+                                      "advantage compares completions of the same prompt"),
+    (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
+    (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
+    (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
+    (lambda a: not a.lr > 0, "--lr must be > 0 (got {lr}); the default is 5e-5"),
+    (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
+    (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
+    (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
+    (lambda a: not 0 < a.epsilon < 1, "--epsilon must be in (0, 1) (got {epsilon}); GRPO uses 0.2, GSPO 3e-4"),
+    (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
+    (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
+    (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
+    (lambda a: a.num_minibatches < 1 or (a.num_prompts * a.num_generations) % a.num_minibatches,
+     "--num-minibatches {num_minibatches} must divide the rollout's {num_prompts}x{num_generations} rows"),
+    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 means a "
+                                       "whole minibatch at once"),
+    (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
+    (lambda a: not 0 < a.overlong_cache <= a.max_new_tokens, "--overlong-cache must be in [1, --max-new-tokens] "
+                                                             "(got {overlong_cache})"),
+    (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
+    (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
+    (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
+    (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
+    (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
+]
+
+
 def validate(args: Args) -> None:
-    if args.num_generations < 2:
-        raise ConfigError(f"--num-generations must be at least 2 (got {args.num_generations}): "
-                         "a group advantage compares completions of the same prompt")
-    rows = args.num_prompts * args.num_generations
-    if args.num_minibatches < 1 or rows % args.num_minibatches:
-        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide the rollout's "
-                         f"{args.num_prompts}x{args.num_generations}={rows} rows")
+    for wrong, message in CHECKS:
+        if wrong(args):
+            raise ConfigError(message.format(**asdict(args)))
+    try:
+        from transformers.trainer_utils import SchedulerType
+        SchedulerType(args.lr_scheduler)
+    except ValueError:
+        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} is not a transformers scheduler; "
+                          "use linear, cosine, constant or constant_with_warmup")
+
+
+def check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--output-dir {folder} is not writable ({e.strerror}); pass a folder you can write to")
+
+
+def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_new_tokens: int) -> None:
+    context = getattr(policy.config, "max_position_embeddings", None)
+    if not context:
+        return
+    lengths = [len(tokenizer(models.format_prompt(tokenizer, e.prompt), add_special_tokens=False)["input_ids"])
+               for e in examples]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens > context:
+        raise ConfigError(f"prompt {longest} ({examples[longest].prompt[:40]!r}...) has {lengths[longest]} tokens; "
+                          f"with --max-new-tokens {max_new_tokens} it exceeds the model's context of {context}. "
+                          "Shorten or drop such prompts, or lower --max-new-tokens")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits 0. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def train(args: Args) -> dict:
     args, cfg = resolve(args)
     validate(args)
-    seed_everything(args.seed)
     run_dir = Path(args.output_dir) / args.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    policy, tokenizer = load_policy(args)
+    check_writable(Path(args.output_dir))
+    resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
+    state = checkpoint.load_state(resume_from) if resume_from else None
+    if state:
+        for change in checkpoint.compare_configs(state["config"], asdict(args)):
+            print(f"resume: allowed change {change}")
+    elif args.resume == "auto":
+        print(f"resume auto: no checkpoint under {run_dir}, starting from scratch")
+    if not state and (run_dir / "metrics.jsonl").exists() and not args.overwrite:
+        raise ConfigError(f"{run_dir} already holds a run; --resume auto continues it, --overwrite replaces it, "
+                          "--run-name NAME starts another")
+
+    # Everything that can fail on bad input is loaded before anything is written.
     train_set, test_set = load_data(args)
     test_set = test_set[: args.eval_size or None]
+    policy, tokenizer = load_policy(args)
+    check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens)
     ref_policy = None
     if cfg.beta > 0:  # a frozen copy of the starting policy, for the KL term
         ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+    if state:
+        policy = models.load_model(str(resume_from / "model"), policy.device, policy.dtype)[0]
+    if args.overwrite and not state:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+
+    seed_everything(args.seed)  # after loading: a warm start built just now must not shift the RNG streams
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=optimizer_steps)
     stream = PromptStream(train_set, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    logger = Logger(args, run_dir)
+    first_step = 1
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        checkpoint.restore_rng(state["rng"], gen)
+        stream.cursor, first_step = state["cursor"], state["step"] + 1
+        keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
+        print(f"resumed from {resume_from} at step {state['step']}")
+    logger = Logger(args, run_dir, wandb_id=state["wandb_id"] if state else None)
+
+    def save(step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
+        return checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
+            "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": rng or checkpoint.rng_state(gen), "wandb_id": logger.run.id, "before": before,
+        }, args.keep_checkpoints)
+
     if args.num_minibatches == 1 and args.num_epochs == 1:
         print("fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward pass "
               "and nothing clips; use --num-minibatches > 1 to see the ratios move")
     print(f"{args.algo}: {cfg}")
     policy.train()
-    before = evaluate(policy, tokenizer, test_set, args)
-    logger.log(before, step=0)
+    if state:
+        before = state["before"]
+    else:
+        before = evaluate(policy, tokenizer, test_set, args)
+        logger.log(before, step=0)
     print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
-    start = time.time()
-    for step in range(1, args.total_steps + 1):
-        t0 = time.time()
-        policy.eval()
-        batch, stats = collect_rollout(policy, tokenizer, stream, args)
-        policy.train()
-        t1 = time.time()
-        reward = torch.tensor(batch.scores["reward"])
-        adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,)
-        metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen)
-        t2 = time.time()
-        metrics.update(stats)
-        metrics.update(rollout_metrics(batch, adv, args.num_generations))
-        metrics.update({"charts/lr": scheduler.get_last_lr()[0], "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
-                        "perf/gen_tokens_per_s": float(batch.ro.lengths.sum()) / (t1 - t0),
-                        "perf/elapsed_min": (time.time() - start) / 60})
-        if step % args.eval_every == 0 or step == args.total_steps:
-            metrics.update(evaluate(policy, tokenizer, test_set, args))
-        logger.log(metrics, step=step)
-        print(console_line(step, args.total_steps, metrics), flush=True)
-    after = metrics
+    stop, start, streak, metrics = GracefulStop(), time.time(), 0, before
+    resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
+    try:
+        for step in range(first_step, args.total_steps + 1):
+            rng_at_start, cursor_at_start = checkpoint.rng_state(gen), stream.cursor
+            t0 = time.time()
+            policy.eval()
+            try:
+                batch, stats = collect_rollout(policy, tokenizer, stream, args)
+            except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
+                path = save(step - 1, rng_at_start, cursor_at_start)
+                raise DynamicSamplingError(f"{e}. Saved {path}; {resume_hint}")
+            policy.train()
+            t1 = time.time()
+            reward = torch.tensor(batch.scores["reward"])
+            adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,)
+            metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen)
+            t2 = time.time()
+            metrics.update(stats)
+            metrics.update(rollout_metrics(batch, adv, args.num_generations))
+            metrics.update({"charts/lr": scheduler.get_last_lr()[0], "perf/rollout_s": t1 - t0,
+                            "perf/update_s": t2 - t1, "perf/gen_tokens_per_s": float(batch.ro.lengths.sum()) / (t1 - t0),
+                            "perf/elapsed_min": (time.time() - start) / 60})
+            if step % args.eval_every == 0 or step == args.total_steps:
+                metrics.update(evaluate(policy, tokenizer, test_set, args))
+            logger.log(metrics, step=step)
+            print(console_line(step, args.total_steps, metrics), flush=True)
+            all_skipped = metrics["losses/skipped_updates"] == args.num_minibatches * args.num_epochs
+            streak = streak + 1 if all_skipped else 0
+            if streak >= args.max_nonfinite_steps:
+                last = checkpoint.all_checkpoints(run_dir / "checkpoints")
+                raise NonFiniteError(
+                    f"{streak} steps in a row had only non-finite losses or gradients (last finite step: "
+                    f"{step - streak}); latest checkpoint: {last[-1] if last else 'none'}. Lower --lr or check the "
+                    "rewards, then resume from it")
+            if (args.save_every and step % args.save_every == 0) or stop.signal:
+                path = save(step)
+            if stop.signal:
+                print(f"stopped by {stop.signal} after step {step}; saved {path}; {resume_hint}")
+                logger.finish()
+                return {"stopped_at": step, "checkpoint": str(path)}
+    except BaseException:
+        logger.finish()
+        raise
+    finally:
+        stop.restore()
     minutes = (time.time() - start) / 60
     summary = {"algo": args.algo, "seed": args.seed, "accuracy_before": before["eval/accuracy"],
-               "accuracy_after": after["eval/accuracy"], "rl_minutes": minutes}
-    print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f} "
+               "accuracy_after": metrics["eval/accuracy"], "rl_minutes": minutes}
+    print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.save_model:
@@ -503,12 +663,22 @@ def train(args: Args) -> dict:
     return summary
 
 
-def main() -> None:
-    args = tyro.cli(Args, description=__doc__)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """A killed run may have logged steps after its last checkpoint; the resumed run logs them again."""
+    if path.is_file():
+        lines = [line for line in path.open() if json.loads(line)["step"] <= step]
+        path.write_text("".join(lines))
+
+
+USER_ERRORS = (ConfigError, task.TaskError, models.ModelError, checkpoint.CheckpointError, DynamicSamplingError,
+               NonFiniteError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = tyro.cli(Args, description=__doc__, args=argv)
     try:
         train(args)
-    except (ConfigError, task.TaskError, models.ModelError, DynamicSamplingError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

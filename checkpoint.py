@@ -1,0 +1,110 @@
+"""Checkpoints: atomic saves, the last K kept, and what an exact resume needs.
+
+A checkpoint is a folder <run>/checkpoints/step-NNNNNN/ holding
+    model/      the policy and tokenizer (save_pretrained)
+    state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator), the step,
+                the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
+It is written under a temporary name and renamed into place, so a kill mid-save leaves the previous checkpoint
+as the latest one. Restoring all of the above makes a resumed run repeat the uninterrupted one exactly (same
+machine, CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Flags that may change across a resume without changing what the run computes.
+HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
+            "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
+            "device", "max_nonfinite_steps"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says why and what to do."""
+
+
+def rng_state(gen: torch.Generator) -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "generator": gen.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(state: dict, gen: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    gen.set_state(state["generator"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int) -> Path:
+    """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(state, tmp / "state.pt")
+    if final.exists():  # saving the same step again (a stop right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in all_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def all_checkpoints(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+
+
+def find(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint folder that --resume names: 'auto' (the run's latest, or None), a checkpoint, or a run."""
+    if resume == "auto":
+        found = all_checkpoints(run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint; pass a checkpoints/step-NNNNNN folder, "
+                              "a run folder, or 'auto'")
+    if (path / "checkpoints").is_dir():  # a run folder: its latest checkpoint
+        found = all_checkpoints(path / "checkpoints")
+        if not found:
+            raise CheckpointError(f"--resume {resume}: the run has no checkpoints (train with --save-every N)")
+        return found[-1]
+    return path
+
+
+def load_state(path: Path) -> dict:
+    """state.pt of a checkpoint, with a one-line error for a missing, truncated or corrupt file."""
+    others = ", ".join(p.name for p in all_checkpoints(path.parent) if p != path) or "none"
+    hint = f"resume from an earlier checkpoint (others here: {others}) or start again without --resume"
+    if not (path / "state.pt").is_file() or not (path / "model" / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (state.pt or model/ missing); {hint}")
+    try:
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
+    if not isinstance(state, dict) or "step" not in state or "config" not in state:
+        raise CheckpointError(f"{path}/state.pt is not a checkpoint of this trainer; {hint}")
+    return state
+
+
+def compare_configs(saved: dict, current: dict) -> list[str]:
+    """Refuse a resume that changes what the run computes; return the harmless changes, for the log."""
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    meaningful = [k for k in changed if k not in HARMLESS]
+    if meaningful:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in meaningful)
+        raise CheckpointError(f"cannot resume: the checkpoint's run differs in {diffs}; use the original flags, "
+                              "or start a new run with another --run-name")
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed if k != "resume"]

@@ -1,0 +1,291 @@
+"""Ablation sweeps: a grid of train.py runs, then a report that puts the algorithms side by side.
+
+    python sweep.py                                    # 4 algorithms x 3 seeds, defaults, 2 runs at a time
+    python sweep.py --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
+    python sweep.py --report-only --name default       # rebuild the report from finished runs
+    python sweep.py --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
+
+Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
+and to <output_dir>/<name>/runs/<run>/metrics.jsonl. A run is finished when its summary.json exists; re-running
+the same command skips finished runs and restarts unfinished ones from scratch. The report (markdown, CSV and
+four PNG plots) is written to --report-dir.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ALGOS = ("gspo", "grpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class SweepArgs:
+    algos: tuple[str, ...] = ALGOS
+    """algorithms to compare"""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    set: tuple[str, ...] = ()
+    """train.py overrides as field=v1,v2 (one flag per field); the grid is their product with algos and seeds"""
+    parallel: int = 2
+    """runs at a time; each gets cores/parallel threads"""
+    name: str = "default"
+    """the sweep's name: its folder, and its wandb group"""
+    output_dir: str = "sweeps"
+    report_dir: str = ""
+    """where the report goes; default <output_dir>/<name>/report"""
+    threshold: float = 0.6
+    """held-out accuracy for the 'steps to threshold' column"""
+    report_only: bool = False
+    """skip running, only rebuild the report"""
+
+
+def grid(args: SweepArgs) -> list[dict]:
+    """Every combination, as {flag: value} dicts with a readable run name."""
+    axes = [[("algo", a) for a in args.algos], [("seed", str(s)) for s in args.seeds]]
+    for item in args.set:
+        field, _, values = item.partition("=")
+        if not values:
+            raise SystemExit(f"error: --set {item!r} must look like field=v1,v2 (e.g. lr=1e-4,3e-4)")
+        axes.append([(field.replace("-", "_"), v) for v in values.split(",")])
+    runs = []
+    for combo in itertools.product(*axes):
+        flags = dict(combo)
+        extras = "-".join(f"{k}{v}" for k, v in combo[2:])
+        flags["run_name"] = f"{flags['algo']}{'-' + extras if extras else ''}-s{flags['seed']}"
+        runs.append(flags)
+    return runs
+
+
+def launch(flags: dict, args: SweepArgs, train_args: list[str], runs_dir: Path, threads: int) -> tuple[str, float, int]:
+    run_dir = runs_dir / flags["run_name"]
+    if (run_dir / "summary.json").is_file():
+        return flags["run_name"], 0.0, -1  # finished earlier: skipped
+    shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run restarts from scratch
+    cmd = [sys.executable, "train.py", "--output-dir", str(runs_dir), "--wandb-group", args.name,
+           "--wandb-tags", "sweep", flags["algo"], "--no-save-model", *train_args]
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", v]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    start = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "console.log").open("w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parent)
+    return flags["run_name"], time.time() - start, rc
+
+
+def run_sweep(args: SweepArgs, train_args: list[str], runs_dir: Path) -> None:
+    runs = grid(args)
+    if "--model" not in train_args:  # build each seed's warm start once, before runs race to build it
+        import model
+
+        for seed in sorted({int(r["seed"]) for r in runs}):
+            model.warm_start(seed=seed)
+    threads = max(1, (os.cpu_count() or 1) // args.parallel)
+    start = time.time()
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for name, seconds, rc in pool.map(lambda f: launch(f, args, train_args, runs_dir, threads), runs):
+            status = "skipped (finished)" if rc == -1 else f"done in {seconds / 60:.1f} min" if rc == 0 else f"FAILED ({rc})"
+            print(f"{name}: {status}", flush=True)
+    print(f"sweep {args.name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_runs(runs_dir: Path) -> list[dict]:
+    runs = []
+    for summary in sorted(runs_dir.glob("*/summary.json")):
+        rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").open()]
+        config = json.loads((summary.parent / "config.json").read_text())
+        runs.append({"name": summary.parent.name, "config": config, "summary": json.loads(summary.read_text()),
+                     "rows": rows})
+    return runs
+
+
+def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["step"], r[key]) for r in run["rows"] if r.get(key) is not None]
+    return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts])) if pts else (np.array([]), np.array([]))
+
+
+def by_algo(runs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(r["config"]["algo"], []).append(r)
+    return out
+
+
+def mean_band(ax, runs: list[dict], key: str, label: str, **style) -> None:
+    """Mean over runs (seeds) with a min-max band, on the steps all runs share."""
+    curves = [series(r, key) for r in runs]
+    steps = sorted(set.intersection(*(set(s.tolist()) for s, _ in curves))) if curves else []
+    if not steps:
+        return
+    ys = np.array([[dict(zip(s.tolist(), y.tolist()))[t] for t in steps] for s, y in curves])
+    line, = ax.plot(steps, ys.mean(0), label=label, **style)
+    ax.fill_between(steps, ys.min(0), ys.max(0), alpha=0.2, color=line.get_color())
+
+
+def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
+    rows = []
+    for algo, rs in by_algo(runs).items():
+        final = [r["summary"]["accuracy_after"] for r in rs]
+        reach = []
+        for r in rs:
+            s, acc = series(r, "eval/accuracy")
+            hit = s[acc >= threshold]
+            reach.append(float(hit[0]) if len(hit) else float("nan"))
+        def mean_of(key):  # noqa: E306
+            return float(np.mean([np.nanmean(series(r, key)[1]) for r in rs]))
+        def length_change(r):  # noqa: E306
+            y = series(r, "charts/completion_len")[1]
+            return float(y[-10:].mean() - y[:10].mean())
+        rows.append({
+            "algo": algo, "runs": len(rs),
+            "accuracy_before": float(np.mean([r["summary"]["accuracy_before"] for r in rs])),
+            "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": float(np.std(final)),
+            f"steps_to_{threshold:g}": float(np.nanmean(reach)) if not all(map(math.isnan, reach)) else float("nan"),
+            "clip_frac_mean": mean_of("clip/frac"), "token_ratio_var_mean": mean_of("ratio/token_var"),
+            "length_change": float(np.mean([length_change(r) for r in rs])),
+            "minutes_mean": float(np.mean([r["summary"]["rl_minutes"] for r in rs])),
+        })
+    return rows
+
+
+def plotted_points(fig) -> int:
+    """How many data points a figure's lines carry (reference lines included): 0 means an empty plot."""
+    return sum(len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines())
+
+
+def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> dict[str, int]:
+    """Write summary.md, summary.csv and four plots; returns the number of data points in each plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    groups = by_algo(runs)
+    points = {}
+
+    # 1. held-out accuracy and train reward
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for algo, rs in groups.items():
+        mean_band(axes[0], rs, "eval/accuracy", algo, marker="o", ms=3)
+        mean_band(axes[1], rs, "charts/reward", algo)
+    axes[0].set(title="held-out greedy accuracy", xlabel="step", ylabel="accuracy")
+    axes[1].set(title="train reward", xlabel="step", ylabel="mean reward")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=110)
+    points["accuracy"] = plotted_points(fig)
+    plt.close(fig)
+
+    # 2. the seeds' claim: std of the unnormalised sequence log-ratio and of GSPO's log s_i, per length bucket
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for algo, rs in groups.items():
+        pts = {"std_logsum": [], "std_log_s": []}
+        for q in range(1, 5):
+            lens = [v for r in rs for v in series(r, f"lenbucket/q{q}_len")[1]]
+            if not lens:
+                continue
+            for key in pts:
+                vals = [v for r in rs for v in series(r, f"lenbucket/q{q}_{key}")[1]]
+                pts[key].append((np.mean(lens), np.sqrt(np.mean(np.square(vals)))))  # RMS over steps and seeds
+        for ax, key in zip(axes, pts):
+            if pts[key]:
+                x, y = np.array(pts[key]).T
+                ax.loglog(x, y, marker="o", label=algo)
+    for ax, key, power, name in ((axes[0], "std_logsum", 0.5, "√len"), (axes[1], "std_log_s", -0.5, "1/√len")):
+        lines = [ln for ln in ax.get_lines()]
+        if lines:
+            x = np.array(lines[0].get_xdata())
+            y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
+            ref = y0 * (x / np.exp(np.log(x).mean())) ** power
+            ax.loglog(x, ref, "k--", label=f"∝ {name}")
+        ax.set(xlabel="response length (tokens, bucket mean)")
+        ax.legend(fontsize=8)
+    axes[0].set(title="std of Σ_t log ρ_t (unnormalised sequence log-ratio)")
+    axes[1].set(title="std of log s_i (GSPO, length-normalised)")
+    fig.tight_layout()
+    fig.savefig(out / "length_buckets.png", dpi=110)
+    points["length_buckets"] = plotted_points(fig)
+    plt.close(fig)
+
+    # 3. clip fractions, log scale: what each objective clipped, and the shadow fractions on the same batches
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for algo, rs in groups.items():
+        mean_band(axes[0], rs, "clip/frac", algo)
+    for preset in ALGOS:
+        mean_band(axes[1], runs, f"clip/shadow_{preset}", f"as {preset} would clip")
+    axes[0].set(title="clip fraction of the trained objective", xlabel="step", yscale="log")
+    axes[1].set(title="shadow clip fractions (all runs' batches)", xlabel="step", yscale="log")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "clip.png", dpi=110)
+    points["clip"] = plotted_points(fig)
+    plt.close(fig)
+
+    # 4. response length of correct and incorrect completions
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for algo, rs in groups.items():
+        mean_band(axes[0], rs, "charts/len_correct", algo)
+        mean_band(axes[1], rs, "charts/len_incorrect", algo)
+    axes[0].set(title="mean length, correct completions", xlabel="step", ylabel="tokens")
+    axes[1].set(title="mean length, incorrect completions", xlabel="step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "lengths.png", dpi=110)
+    points["lengths"] = plotted_points(fig)
+    plt.close(fig)
+
+    rows = summary_rows(runs, threshold)
+    with (out / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [f"# {title}", "", "| algo | runs | accuracy before | accuracy after (mean ± std) | "
+             f"steps to {threshold:g} | mean clip fraction | mean token-ratio variance | length change | minutes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['algo']} | {r['runs']} | {r['accuracy_before']:.3f} | {r['accuracy_after_mean']:.3f} ± "
+                     f"{r['accuracy_after_std']:.3f} | {fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
+                     f"{fmt(r['token_ratio_var_mean'])} | {r['length_change']:+.1f} | {r['minutes_mean']:.1f} |")
+    lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
+              "![lengths](lengths.png)", ""]
+    (out / "summary.md").write_text("\n".join(lines))
+    return points
+
+
+def main() -> None:
+    import tyro
+
+    args, train_args = tyro.cli(SweepArgs, description=__doc__, return_unknown_args=True)
+    runs_dir = Path(args.output_dir) / args.name / "runs"
+    if not args.report_only:
+        run_sweep(args, train_args, runs_dir)
+    runs = load_runs(runs_dir)
+    if not runs:
+        raise SystemExit(f"error: no finished runs under {runs_dir}; run the sweep first (without --report-only)")
+    out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
+    write_report(runs, out, args.threshold, f"Sweep {args.name}: {len(runs)} runs")
+    print(f"report: {out / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()

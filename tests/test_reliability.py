@@ -1,0 +1,313 @@
+"""Bad input fails fast with one line and exit code 2; checkpoints resume exactly; guards keep metrics finite."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+import checkpoint
+import losses
+import rewards
+import train
+from losses import PRESETS, StepNorm
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--num-prompts", "4", "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2",
+         "--eval-every", "2", "--eval-size", "8", "--lr", "1e-3", "--warmup-steps", "0", "--wandb-mode", "disabled"]
+
+
+def cli(argv, capsys):
+    """Run train.main in-process; return (exit code, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: a catalogue, one case each
+# ---------------------------------------------------------------------------------------------------------------
+
+FLAG_CASES = [
+    (["--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--total-steps", "0"], "--total-steps must be at least 1"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--lr", "-1e-4"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--epsilon", "0"], "--epsilon must be in (0, 1)"),
+    (["--epsilon", "1.5"], "--epsilon must be in (0, 1)"),
+    (["--epsilon-high", "-0.1"], "--epsilon-high must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--num-minibatches", "3"], "must divide the rollout's"),
+    (["--num-minibatches", "0"], "must divide the rollout's"),
+    (["--num-epochs", "0"], "--num-epochs must be at least 1"),
+    (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 0"),
+    (["--beta", "-0.1"], "--beta must be >= 0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--max-sampling-rounds", "0"], "--max-sampling-rounds must be at least 1"),
+    (["--overlong-cache", "100"], "--overlong-cache must be in [1, --max-new-tokens]"),
+    (["--eval-every", "0"], "--eval-every must be at least 1"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    (["--lr-scheduler", "sometimes"], "is not a transformers scheduler"),
+    (["--output-dir", "/etc/hostname/runs"], "is not writable"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--model", "./missing.gguf"], "does not exist"),
+    (["--dataset", "/no/such/data.jsonl"], "does not exist"),
+    (["--resume", "/no/such/checkpoint"], "no such checkpoint"),
+]
+
+
+@pytest.mark.parametrize("argv,message", FLAG_CASES, ids=[" ".join(c[0]) for c in FLAG_CASES])
+def test_bad_flag_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, message):
+    full = ["--output-dir", str(tmp_path / "out")] + argv if "--output-dir" not in argv else argv
+    code, err = cli(full, capsys)
+    assert code == 2
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("argv", [["--algo", "ppo"], ["--wandb-mode", "sometimes"]])
+def test_tyro_rejects_unknown_choices_with_exit_2(argv, capsys):
+    code, err = cli(argv, capsys)
+    assert code == 2 and "Traceback" not in err
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_dataset_errors(tmp_path, capsys, tiny_policy_dir):
+    base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out")] + SMALL
+    cases = [
+        (write(tmp_path / "empty.jsonl", "\n\n"), "has no rows"),
+        (write(tmp_path / "bad.jsonl", '{"prompt": "1 mod 3 =", "answer": "1"}\n{"prompt": oops}\n'), "bad.jsonl:2: not valid JSON"),
+        (write(tmp_path / "fields.jsonl", '{"prompt": "1 mod 3 ="}\n'), "needs both \"prompt\" and \"answer\""),
+        (write(tmp_path / "list.jsonl", '[1, 2]\n'), "list.jsonl:1: a row needs both"),
+        (write(tmp_path / "long.jsonl", '{"prompt": "%s", "answer": "1"}\n{"prompt": "1 mod 3 =", "answer": "1"}\n'
+               % ("9" * 200)), "exceeds the model's context of 128"),
+    ]
+    for path, message in cases:
+        code, err = cli(base + ["--dataset", path], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "gspo-s0").exists()
+
+
+def test_model_errors(tmp_path, capsys, tiny_policy_dir):
+    import model as models
+
+    not_a_model = tmp_path / "empty_dir"
+    not_a_model.mkdir()
+    garbage = tmp_path / "broken.gguf"
+    garbage.write_bytes(b"not a gguf file at all")
+    no_eos = tmp_path / "no_eos"
+    tok = models.build_tokenizer()
+    tok.eos_token = None
+    models.build_tiny_model(models.build_tokenizer(), hidden=32, layers=1).save_pretrained(no_eos)
+    tok.save_pretrained(no_eos)
+    for path, message in [(not_a_model, "is not a model directory"), (garbage, "could not load model"),
+                          (no_eos, "has no EOS token")]:
+        code, err = cli(["--model", str(path), "--output-dir", str(tmp_path / "out")] + SMALL, capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1"] + SMALL
+    train.main(argv)
+    before = (tmp_path / "gspo-s0" / "metrics.jsonl").read_text()
+    code, err = cli(argv, capsys)
+    assert code == 2 and "already holds a run" in err
+    assert (tmp_path / "gspo-s0" / "metrics.jsonl").read_text() == before
+    train.main(argv + ["--overwrite"])  # explicitly asked: allowed
+
+
+def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, random_chat_model_dir, jsonl_dataset):
+    argv = ["--algo", "dapo", "--model", str(random_chat_model_dir), "--dataset", str(jsonl_dataset),
+            "--output-dir", str(tmp_path), "--max-sampling-rounds", "2", "--max-new-tokens", "8",
+            "--overlong-cache", "4"] + SMALL
+    code, err = cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "0 of 4 prompt groups with mixed correctness after 2 rounds" in err and "all wrong" in err
+    assert "--max-sampling-rounds" in err and "--resume auto" in err
+    assert (tmp_path / "dapo-s0" / "checkpoints" / "step-000000" / "state.pt").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def metrics_without_timing(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, tiny_policy_dir):
+    base = ["--model", str(tiny_policy_dir), "--save-every", "2", "--algo", "grpo"] + SMALL
+    train.main(base + ["--output-dir", str(tmp_path / "a"), "--total-steps", "4"])
+    train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "2"])  # stops at 2, like a kill
+    out = capsys.readouterr().out
+    train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "4", "--resume", "auto"])
+    out = capsys.readouterr().out
+    assert "resume: allowed change total_steps: 2 -> 4" in out and "resumed from" in out
+    a, b = tmp_path / "a" / "grpo-s0", tmp_path / "b" / "grpo-s0"
+    wa, wb = final_weights(a), final_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics_without_timing(a) == metrics_without_timing(b)
+    assert [p.name for p in checkpoint.all_checkpoints(b / "checkpoints")] == ["step-000002", "step-000004"]
+
+    ckpt = b / "checkpoints" / "step-000002"
+    code, err = cli(base + ["--output-dir", str(tmp_path / "b"), "--resume", str(ckpt), "--algo", "gspo",
+                            "--run-name", "grpo-s0"], capsys)
+    assert code == 2 and "cannot resume" in err and "algo: 'grpo' -> 'gspo'" in err
+    code, err = cli(base + ["--output-dir", str(tmp_path / "b"), "--resume", str(ckpt), "--num-generations", "2",
+                            "--num-minibatches", "2"], capsys)
+    assert code == 2 and "num_generations: 4 -> 2" in err
+
+
+def test_truncated_and_corrupt_checkpoints_are_refused(tmp_path, capsys, tiny_policy_dir):
+    base = ["--model", str(tiny_policy_dir), "--save-every", "1", "--keep-checkpoints", "3",
+            "--output-dir", str(tmp_path)] + SMALL
+    train.main(base + ["--total-steps", "2"])
+    ckpts = checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
+    state = ckpts[-1] / "state.pt"
+    state.write_bytes(state.read_bytes()[:200])  # truncated
+    code, err = cli(base + ["--resume", str(ckpts[-1]), "--total-steps", "3"], capsys)
+    assert code == 2 and "truncated or corrupt" in err and "step-000001" in err and err.count("\n") == 1
+    state.write_bytes(b"\x00garbage" * 50)  # corrupt
+    code, err = cli(base + ["--resume", str(ckpts[-1]), "--total-steps", "3"], capsys)
+    assert code == 2 and "truncated or corrupt" in err
+    (ckpts[0] / "state.pt").unlink()  # incomplete
+    code, err = cli(base + ["--resume", str(ckpts[0]), "--total-steps", "3"], capsys)
+    assert code == 2 and "not a complete checkpoint" in err
+
+
+def spawn(argv, out_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "train.py", *argv, "--output-dir", str(out_dir)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--total-steps", "8", "--save-every", "2", "--algo", "dapo",
+            "--max-sampling-rounds", "30"] + SMALL
+    reference = spawn(argv, tmp_path / "ref")
+    victim = spawn(argv, tmp_path / "kill")
+    ckpts = tmp_path / "kill" / "dapo-s0" / "checkpoints"
+    deadline = time.time() + 120
+    while not checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 1.0))  # somewhere in the middle of a later step or save
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert reference.wait(timeout=300) == 0, reference.stdout.read()
+    assert not (tmp_path / "kill" / "dapo-s0" / "summary.json").exists()  # it really died before finishing
+    resumed = spawn(argv + ["--resume", "auto"], tmp_path / "kill")
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0 and "resumed from" in log, log
+    ref_dir, kill_dir = tmp_path / "ref" / "dapo-s0", tmp_path / "kill" / "dapo-s0"
+    wa, wb = final_weights(ref_dir), final_weights(kill_dir)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics_without_timing(ref_dir) == metrics_without_timing(kill_dir)
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
+    proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500"] + SMALL, tmp_path)
+    metrics = tmp_path / "gspo-s0" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM" in out and "--resume auto" in out
+    assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numerical guards
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    real = losses.policy_loss
+
+    def poisoned(*a, **kw):
+        loss, diag = real(*a, **kw)
+        return loss * float("nan"), diag
+
+    monkeypatch.setattr(losses, "policy_loss", poisoned)
+    code, err = cli(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "10",
+                     "--max-nonfinite-steps", "2"] + SMALL, capsys)
+    assert code == 2 and "2 steps in a row" in err and "last finite step: 0" in err
+    rows = [json.loads(line) for line in (tmp_path / "gspo-s0" / "metrics.jsonl").open()]
+    assert [r["losses/skipped_updates"] for r in rows if r["step"] > 0] == [2, 2]
+
+
+def degenerate_batches():
+    """(name, logp, old, advantages, mask) for batches that must not produce NaN or inf anywhere."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 6, generator=g)
+    logp = old + 0.05 * torch.randn(8, 6, generator=g)
+    full = torch.ones(8, 6)
+    first_only = torch.zeros(8, 6)
+    first_only[:, 0] = 1
+    adv = torch.randn(8, generator=g)
+    return [
+        ("equal rewards in every group", logp, old, losses.group_advantages(torch.ones(8), 4), full),
+        ("immediate EOS everywhere", logp, old, adv, first_only),
+        ("every completion truncated", logp, old, adv, full),
+        ("single-token completions, equal rewards", logp, old, torch.zeros(8), first_only),
+    ]
+
+
+@pytest.mark.parametrize("name,logp,old,adv,mask", degenerate_batches(), ids=[b[0] for b in degenerate_batches()])
+@pytest.mark.parametrize("algo", list(PRESETS))
+def test_degenerate_batches_keep_everything_finite(name, logp, old, adv, mask, algo):
+    leaf = logp.clone().requires_grad_(True)
+    loss, diag = losses.policy_loss(leaf, old, adv, mask, StepNorm.of(mask, 6), PRESETS[algo], ref_logp=old)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(leaf.grad).all()
+    assert all(torch.isfinite(torch.tensor(v)) for v in diag.values()), diag
+    for bucket in losses.length_bucket_stats(logp, old, mask):
+        assert all(torch.isfinite(torch.tensor(v)) for v in bucket.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The verifier never raises
+# ---------------------------------------------------------------------------------------------------------------
+
+unicode_digits = st.sampled_from("0123456789٠١٢٣٤٥٦٧٨٩０１２３４５６７８９۱۲۳")
+answer_like = st.one_of(
+    st.text(),
+    st.integers(min_value=-10**400, max_value=10**400).map(str),
+    st.text(unicode_digits, min_size=1, max_size=50),
+    st.from_regex(r"[+-]?[\d,. ]{0,30}", fullmatch=True),
+)
+completion = st.lists(st.one_of(st.just("<answer>"), st.just("</answer>"), answer_like), max_size=12).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(completion, answer_like)
+def test_verifier_never_raises(text, reference):
+    assert rewards.is_correct(text, reference) in (True, False)
+    assert rewards.format_ok(text) in (True, False)
+    s = rewards.score([text], [reference], [len(text)], [False], 0.1, 1.0, 20, 4)
+    assert all(len(v) == 1 for v in s.values())
