@@ -472,8 +472,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 means a "
                                        "whole minibatch at once"),
     (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
-    (lambda a: not 0 < a.overlong_cache <= a.max_new_tokens, "--overlong-cache must be in [1, --max-new-tokens] "
-                                                             "(got {overlong_cache})"),
+    (lambda a: a.overlong_weight and not 0 < a.overlong_cache <= a.max_new_tokens,
+     "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
     (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
     (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
     (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),

@@ -57,7 +57,7 @@ FLAG_CASES = [
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     (["--max-sampling-rounds", "0"], "--max-sampling-rounds must be at least 1"),
-    (["--overlong-cache", "100"], "--overlong-cache must be in [1, --max-new-tokens]"),
+    (["--algo", "dapo", "--overlong-cache", "100"], "--overlong-cache must be in [1, --max-new-tokens]"),
     (["--eval-every", "0"], "--eval-every must be at least 1"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
