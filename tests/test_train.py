@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,20 @@ def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_mode
     assert models.format_prompt(tok, "2 mod 3 =").startswith("<|user|>2 mod 3 =")
 
 
-def read_wandb_history(path: Path) -> list[dict]:
-    """History rows of an offline .wandb file (a LevelDB-style log of protobuf records)."""
+def read_wandb_history(path: Path, timeout: float = 60.0) -> list[dict]:
+    """History rows of an offline .wandb file (a LevelDB-style log of protobuf records).
+
+    wandb's service process writes the file asynchronously, after `finish()` has returned: wait for the run's
+    exit record."""
+    deadline = time.time() + timeout
+    while True:
+        kinds, rows = parse_wandb_records(path)
+        if "exit" in kinds or time.time() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def parse_wandb_records(path: Path) -> tuple[list[str], list[dict]]:
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, block, pos, buf, records = path.read_bytes(), 32768, 7, b"", []  # 7-byte file header
@@ -84,13 +97,14 @@ def read_wandb_history(path: Path) -> list[dict]:
         if kind in (1, 4):  # a full record, or the last piece of one
             records.append(buf)
             buf = b""
-    rows = []
+    kinds, rows = [], []
     for raw in records:
         rec = pb.Record()
         rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "history":
+        kinds.append(rec.WhichOneof("record_type"))
+        if kinds[-1] == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-    return rows
+    return kinds, rows
 
 
 def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_policy_dir, monkeypatch):
