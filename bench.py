@@ -60,7 +60,10 @@ def smollm_path() -> str:
 
 
 def model_name(cfg: dict) -> str:
-    return smollm_path() if cfg["model"] == "smollm" else cfg["model"]
+    """A path both sides can load: the GGUF file, or the embedded model's cached warm start (seed 0)."""
+    import model as models
+
+    return smollm_path() if cfg["model"] == "smollm" else str(models.warm_start(seed=0))
 
 
 def peak_rss_mb() -> float:
