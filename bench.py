@@ -66,6 +66,10 @@ def model_name(cfg: dict) -> str:
     return smollm_path() if cfg["model"] == "smollm" else str(models.warm_start(seed=0))
 
 
+def chat_model(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -92,7 +96,8 @@ def worker_ours(cfg: dict, steps: int) -> dict:
 
     args, loss_cfg = train.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
-        max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled"))
+        max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled",
+        dataset="embedded-instruct" if cfg["model"] == "smollm" else "embedded"))
     train.seed_everything(0)
     policy, tokenizer = train.load_policy(args)
     train_set, _ = train.load_data(args)
@@ -127,8 +132,10 @@ def worker_trl(cfg: dict, steps: int) -> dict:
     import task
 
     policy, tokenizer = models.load_model(model_name(cfg), torch.device("cpu"), torch.float32)
-    train_set, _ = task.default_splits()
-    chat = bool(getattr(tokenizer, "chat_template", None))
+    # A GGUF model arrives dequantised to fp32 but still flagged as quantised, which Trainer refuses to train.
+    policy.is_quantized, policy.hf_quantizer = False, None
+    train_set, _ = task.default_splits(instruct=chat_model(tokenizer))
+    chat = chat_model(tokenizer)
     prompt = (lambda p: [{"role": "user", "content": f"{p}\n{task.INSTRUCTION}"}]) if chat else (lambda p: p)
     data = Dataset.from_list([{"prompt": prompt(e.prompt), "answer": e.answer} for e in train_set])
 

@@ -162,6 +162,7 @@ def policy_loss(
     norm: StepNorm,  # normalisers of the whole optimizer step
     cfg: LossConfig,
     ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
+    diagnostics: bool = True,  # False skips them (the training loop computes them once over the whole update)
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped policy-gradient loss of one micro-batch, and its diagnostics.
 
@@ -186,6 +187,8 @@ def policy_loss(
             raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
         per_token = per_token + cfg.beta * k3_kl(logp, ref_logp)
     loss = aggregate(per_token, mask, cfg.loss_agg_mode, norm)
+    if not diagnostics:
+        return loss, {}
     with torch.no_grad():
         diag = ratio_diagnostics(logp.detach(), old_logp, advantages, mask, cfg)
         if cfg.beta > 0:

@@ -35,6 +35,10 @@ class Rollout:
     def lengths(self) -> Tensor:  # (B,) |y_i|
         return self.completion_mask.sum(-1)
 
+    def to(self, device) -> "Rollout":
+        return Rollout(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
+                                                 self.completion_mask, self.truncated)))
+
     def select(self, idx: Tensor) -> "Rollout":
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
                        self.completion_mask[idx], self.truncated[idx])

@@ -318,10 +318,8 @@ def logprobs_of(policy, ro: rollout.Rollout, rows: torch.Tensor, args: Args, wit
 
 def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Tensor, cfg: LossConfig,
            args: Args, gen: torch.Generator) -> dict:
-    ro = batch.ro
     device = next(policy.parameters()).device
-    ro = rollout.Rollout(*(t.to(device) for t in (ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                                     ro.completion_mask, ro.truncated)))
+    ro = batch.ro.to(device)
     adv, mask = adv.to(device), ro.completion_mask.float()
     b = mask.shape[0]
     everything = torch.arange(b, device=device)
@@ -348,7 +346,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                 else:
                     logp, old = logprobs_of(policy, ro, rows, args), old_logp[rows]
                 loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                             None if ref_logp is None else ref_logp[rows])
+                                             None if ref_logp is None else ref_logp[rows], diagnostics=False)
                 loss.backward()
                 total += loss.item()
                 seen_logp.append(logp.detach())
@@ -365,7 +363,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     # Diagnostics over every row scored during the update, each against pi_old: the statistics of the ratios
     # that the objective actually saw.
     rows = torch.cat(seen_rows)
-    new = torch.cat([torch.zeros(0, mask.shape[1], device=device)] + seen_logp)
+    new = torch.cat(seen_logp)
     old_all = new if on_policy else old_logp[rows]
     diag = losses.ratio_diagnostics(new, old_all, adv[rows], mask[rows], cfg)
     buckets = losses.length_bucket_stats(new, old_all, mask[rows])
