@@ -96,7 +96,9 @@ def run_sweep(args: SweepArgs, train_args: list[str], runs_dir: Path) -> None:
     start = time.time()
     with ThreadPoolExecutor(args.parallel) as pool:
         for name, seconds, rc in pool.map(lambda f: launch(f, args, train_args, runs_dir, threads), runs):
-            status = "skipped (finished)" if rc == -1 else f"done in {seconds / 60:.1f} min" if rc == 0 else f"FAILED ({rc})"
+            finished = (runs_dir / name / "summary.json").is_file()  # a run stopped by a signal exits 0 unfinished
+            status = ("skipped (finished)" if rc == -1 else f"done in {seconds / 60:.1f} min" if finished
+                      else f"FAILED (exit {rc}; see {runs_dir / name / 'console.log'})" if rc else "stopped early")
             print(f"{name}: {status}", flush=True)
     print(f"sweep {args.name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall")
 
