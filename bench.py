@@ -91,7 +91,6 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 8) -> float:
 
 
 def worker_ours(cfg: dict, steps: int) -> dict:
-    import losses
     import train
 
     args, loss_cfg = train.resolve(train.Args(
@@ -107,18 +106,12 @@ def worker_ours(cfg: dict, steps: int) -> dict:
     params = sum(p.numel() for p in policy.parameters())
     rows = []
     for step in range(steps + 1):
-        t0 = time.perf_counter()
-        policy.eval()
-        batch, _ = train.collect_rollout(policy, tokenizer, stream, args)
-        policy.train()
-        t1 = time.perf_counter()
-        adv = losses.group_advantages(torch.tensor(batch.scores["reward"]), args.num_generations)
-        train.update(policy, None, optimizer, scheduler, batch, adv, loss_cfg, args, gen)
-        t2 = time.perf_counter()
+        batch, m = train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, loss_cfg, args, gen)
         tokens = batch.ro.input_ids.numel()  # every position the update's forward and backward passes compute
         if step > 0:
-            rows.append({"step_s": t2 - t0, "gen_tok_s": float(batch.ro.lengths.sum()) / (t1 - t0),
-                         "update_tok_s": tokens / (t2 - t1), "update_flops": (6 + 2) * params * tokens / (t2 - t1)})
+            rows.append({"step_s": m["perf/rollout_s"] + m["perf/update_s"], "gen_tok_s": m["perf/gen_tokens_per_s"],
+                         "update_tok_s": tokens / m["perf/update_s"],
+                         "update_flops": (6 + 2) * params * tokens / m["perf/update_s"]})
     return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params}
 
 

@@ -382,6 +382,25 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     return metrics
 
 
+def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptStream, cfg: LossConfig, args: Args,
+            gen: torch.Generator) -> tuple[Batch, dict]:
+    """One RL step: a rollout, its group advantages, the minibatch updates; returns the batch and its metrics."""
+    t0 = time.time()
+    policy.eval()
+    batch, stats = collect_rollout(policy, tokenizer, stream, args)
+    policy.train()
+    t1 = time.time()
+    reward = torch.tensor(batch.scores["reward"])
+    adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,)
+    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen)
+    t2 = time.time()
+    metrics.update(stats)
+    metrics.update(rollout_metrics(batch, adv, args.num_generations))
+    metrics.update({"charts/lr": scheduler.get_last_lr()[0], "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
+                    "perf/gen_tokens_per_s": float(batch.ro.lengths.sum()) / (t1 - t0)})
+    return batch, metrics
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------------
@@ -607,24 +626,12 @@ def train(args: Args) -> dict:
     try:
         for step in range(first_step, args.total_steps + 1):
             rng_at_start, cursor_at_start = checkpoint.rng_state(gen), stream.cursor
-            t0 = time.time()
-            policy.eval()
             try:
-                batch, stats = collect_rollout(policy, tokenizer, stream, args)
+                _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen)
             except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
                 path = save(step - 1, rng_at_start, cursor_at_start)
                 raise DynamicSamplingError(f"{e}. Saved {path}; {resume_hint}")
-            policy.train()
-            t1 = time.time()
-            reward = torch.tensor(batch.scores["reward"])
-            adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,)
-            metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen)
-            t2 = time.time()
-            metrics.update(stats)
-            metrics.update(rollout_metrics(batch, adv, args.num_generations))
-            metrics.update({"charts/lr": scheduler.get_last_lr()[0], "perf/rollout_s": t1 - t0,
-                            "perf/update_s": t2 - t1, "perf/gen_tokens_per_s": float(batch.ro.lengths.sum()) / (t1 - t0),
-                            "perf/elapsed_min": (time.time() - start) / 60})
+            metrics["perf/elapsed_min"] = (time.time() - start) / 60
             if step % args.eval_every == 0 or step == args.total_steps:
                 metrics.update(evaluate(policy, tokenizer, test_set, args))
             logger.log(metrics, step=step)
