@@ -66,8 +66,9 @@ def model_name(cfg: dict) -> str:
     return smollm_path() if cfg["model"] == "smollm" else str(models.warm_start(seed=0))
 
 
-def chat_model(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def instruct(cfg: dict) -> bool:
+    """Instruct models get the task phrased for them (--dataset embedded-instruct)."""
+    return cfg["model"] == "smollm"
 
 
 def peak_rss_mb() -> float:
@@ -96,7 +97,7 @@ def worker_ours(cfg: dict, steps: int) -> dict:
     args, loss_cfg = train.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
         max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled",
-        dataset="embedded-instruct" if cfg["model"] == "smollm" else "embedded"))
+        dataset="embedded-instruct" if instruct(cfg) else "embedded"))
     train.seed_everything(0)
     policy, tokenizer = train.load_policy(args)
     train_set, _ = train.load_data(args)
@@ -123,18 +124,21 @@ def worker_trl(cfg: dict, steps: int) -> dict:
     import model as models
     import rewards
     import task
+    import train
 
     policy, tokenizer = models.load_model(model_name(cfg), torch.device("cpu"), torch.float32)
     # A GGUF model arrives dequantised to fp32 but still flagged as quantised, which Trainer refuses to train.
     policy.is_quantized, policy.hf_quantizer = False, None
-    train_set, _ = task.default_splits(instruct=chat_model(tokenizer))
-    chat = chat_model(tokenizer)
-    prompt = (lambda p: [{"role": "user", "content": f"{p}\n{task.INSTRUCTION}"}]) if chat else (lambda p: p)
-    data = Dataset.from_list([{"prompt": prompt(e.prompt), "answer": e.answer} for e in train_set])
+    train_set, _ = task.default_splits(instruct=instruct(cfg))
+    # the very prompt strings our trainer sends (chat template applied where the model has one)
+    data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt), "answer": e.answer}
+                              for e in train_set])
+    defaults = train.Args()
 
-    def reward(completions, answer, **_):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(rewards.is_correct(t, a)) + 0.1 * float(rewards.format_ok(t)) for t, a in zip(texts, answer)]
+    def reward(completions, answer, **_):  # the trainer's reward with its default weights (no overlong term)
+        n = [0] * len(completions)
+        return rewards.score(completions, answer, n, [False] * len(n), defaults.format_weight, 0.0,
+                             cfg["max_new_tokens"], defaults.overlong_cache)["reward"]
 
     p, g = cfg["num_prompts"], cfg["num_generations"]
     rl_steps = steps + 1

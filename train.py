@@ -165,10 +165,11 @@ def seed_everything(seed: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_policy(args: Args):
+def load_policy(args: Args, path: Path | None = None):
+    """The starting policy of --model, or the model saved at `path` (a checkpoint), on the chosen device."""
     device = models.pick_device(args.device)
     dtype = models.pick_dtype(device, args.dtype)
-    name = args.model
+    name = str(path) if path else args.model
     if name == "embedded":
         name = str(models.warm_start(seed=args.seed))
     return models.load_model(name, device, dtype)
@@ -250,6 +251,7 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tupl
     """P groups of G completions. With dynamic sampling (DAPO), groups whose correctness is all 0 or all 1 are
     dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw correctness."""
     g, kept, drawn, all_correct, uniform = args.num_generations, [], 0, [], []
+    n_rows, n_kept = args.num_prompts * g, 0
     for _ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
         batch = sample_batch(policy, tokenizer, stream.take(args.num_prompts), args)
         drawn += args.num_prompts
@@ -257,6 +259,7 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tupl
         all_correct.append(correct)
         if not args.dynamic_sampling:
             kept.append(batch)
+            n_kept = n_rows
             break
         is_mixed = correct.max(1).values != correct.min(1).values  # (P,)
         mixed = is_mixed.nonzero().flatten().tolist()
@@ -264,9 +267,9 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tupl
                     for i in (~is_mixed).nonzero().flatten().tolist()]
         if mixed:
             kept.append(select_groups(batch, mixed, g))
-        if sum(len(b.examples) for b in kept) >= args.num_prompts * g:
+            n_kept += len(mixed) * g
+        if n_kept >= n_rows:
             break
-    n_rows, n_kept = args.num_prompts * g, sum(len(b.examples) for b in kept)
     if n_kept < n_rows:
         raise DynamicSamplingError(
             f"dynamic sampling found {n_kept // g} of {args.num_prompts} prompt groups with mixed "
@@ -574,13 +577,12 @@ def train(args: Args) -> dict:
     # Everything that can fail on bad input is loaded before anything is written.
     train_set, test_set = load_data(args)
     test_set = test_set[: args.eval_size or None]
-    policy, tokenizer = load_policy(args)
+    policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
     check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens)
     ref_policy = None
-    if cfg.beta > 0:  # a frozen copy of the starting policy, for the KL term
-        ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-    if state:
-        policy = models.load_model(str(resume_from / "model"), policy.device, policy.dtype)[0]
+    if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
+        start = load_policy(args)[0] if state else copy.deepcopy(policy)
+        ref_policy = start.eval().requires_grad_(False)
     if args.overwrite and not state:
         shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
