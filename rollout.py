@@ -8,7 +8,7 @@ Two details decide whether the trainer sees the same distribution the sampler dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,8 @@ class Rollout:
     completion_ids: Tensor  # (B, T) right-padded (whatever follows the first EOS)
     completion_mask: Tensor  # (B, T) 1 up to and including the first EOS
     truncated: Tensor  # (B,) no EOS within max_new_tokens
+    sampler_logp: Tensor | None = None  # (B, T) log pi_old(y_t) from the logits generate sampled from, if kept
+    sampler_entropy: Tensor | None = None  # (B, T) entropy of those same distributions, if kept
 
     @property
     def input_ids(self) -> Tensor:  # (B, Lp + T)
@@ -35,13 +37,15 @@ class Rollout:
     def lengths(self) -> Tensor:  # (B,) |y_i|
         return self.completion_mask.sum(-1)
 
+    def _map(self, fn) -> "Rollout":
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                          for f in fields(self)})
+
     def to(self, device) -> "Rollout":
-        return Rollout(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
-                                                 self.completion_mask, self.truncated)))
+        return self._map(lambda t: t.to(device))
 
     def select(self, idx: Tensor) -> "Rollout":
-        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                       self.completion_mask[idx], self.truncated[idx])
+        return self._map(lambda t: t[idx])
 
     @staticmethod
     def concat(parts: list["Rollout"], pad_id: int) -> "Rollout":
@@ -50,12 +54,15 @@ class Rollout:
         t = max(p.completion_ids.shape[1] for p in parts)
         left = lambda x, v: F.pad(x, (lp - x.shape[1], 0), value=v)  # noqa: E731
         right = lambda x, v: F.pad(x, (0, t - x.shape[1]), value=v)  # noqa: E731
+        kept = all(p.sampler_logp is not None for p in parts)
         return Rollout(
             torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
             torch.cat([left(p.prompt_mask, 0) for p in parts]),
             torch.cat([right(p.completion_ids, pad_id) for p in parts]),
             torch.cat([right(p.completion_mask, 0) for p in parts]),
             torch.cat([p.truncated for p in parts]),
+            torch.cat([right(p.sampler_logp, 0.0) for p in parts]) if kept else None,
+            torch.cat([right(p.sampler_entropy, 0.0) for p in parts]) if kept else None,
         )
 
 
@@ -71,30 +78,34 @@ def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor
 
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             greedy: bool = False) -> Rollout:
-    """One completion per prompt string (repeat a prompt G times to get a group)."""
+             greedy: bool = False, keep_logprobs: bool = False) -> Rollout:
+    """One completion per prompt string (repeat a prompt G times to get a group).
+
+    With `keep_logprobs`, the log-probs and entropies of the sampled tokens are taken from the very logits the
+    sampler drew from: that *is* pi_old, so the update needs no forward pass to recompute it. The price is that
+    generate holds all B*T*V raw logits until it returns.
+    """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    completion = out[:, enc["input_ids"].shape[1]:]  # (B, T)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         output_logits=keep_logprobs, return_dict_in_generate=True)
+    completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
     mask, truncated = completion_mask(completion, tokenizer.eos_token_id)
-    return Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)
+    ro = Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)
+    if keep_logprobs:  # out.logits: T raw (B, V) logits, before temperature or any other processor
+        ro.sampler_logp, ro.sampler_entropy = token_logprobs(torch.stack(out.logits, dim=1), completion,
+                                                             temperature, with_entropy=True)
+    return ro
 
 
-def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                        temperature: float = 1.0, with_entropy: bool = False):
-    """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False):
+    """log softmax(logits / temperature) at `targets`: (B, T, V), (B, T) -> (B, T).
 
-    Only the T logits that predict completion tokens are computed (logits_to_keep), and the log-softmax is taken
-    as logit - logsumexp, without materialising a (B, T, V) log-prob tensor. With `with_entropy`, also returns the
+    Taken as logit - logsumexp, without materialising a (B, T, V) log-prob tensor. With `with_entropy`, also the
     per-token entropy (B, T) of the tempered distribution, without gradient.
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=num_completion + 1, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
-    targets = input_ids[:, -num_completion:]  # (B, T)
+    logits = logits.float() / temperature  # (B, T, V)
     logz = torch.logsumexp(logits, dim=-1)  # (B, T)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     if not with_entropy:
@@ -102,3 +113,17 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
     with torch.no_grad():
         entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = log Z - E_p[logit]
     return logp, entropy
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                        temperature: float = 1.0, with_entropy: bool = False):
+    """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
+
+    One forward pass that computes only the T logits predicting completion tokens (logits_to_keep); see
+    token_logprobs for the rest (and `with_entropy`).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=num_completion + 1, use_cache=False).logits
+    # position t of the kept logits predicts completion token t; the last one predicts beyond the sequence
+    return token_logprobs(logits[:, :-1], input_ids[:, -num_completion:], temperature, with_entropy)

@@ -70,6 +70,11 @@ class Args:
     """optimizer steps per rollout pass (the GSPO paper uses 4); 1 with num_epochs 1 is fully on-policy"""
     num_epochs: int = 1
     """passes over each rollout"""
+    old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
+    """where pi_old comes from when a rollout feeds several updates. sampler: the logits generate drew from (no
+    extra forward pass, but generate holds all P*G*T*V logits); recompute: one forward pass over the rollout
+    before the first update (as TRL and verl do); auto: sampler in fp32 when those logits fit in 1 GiB, else
+    recompute. In bf16/fp16 a cached decode and a full forward round differently, by more than GSPO's clip range."""
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: a whole minibatch at once"""
     lr: float = 5e-5
@@ -212,10 +217,12 @@ class Batch:
     texts: list[str]
 
 
-def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False) -> Batch:
+def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False,
+                       keep_logprobs: bool = False) -> Batch:
     """One completion per row, decoded up to its first EOS and scored by every reward term."""
     prompts = [models.format_prompt(tokenizer, ex.prompt) for ex in rows]
-    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy)
+    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy,
+                          keep_logprobs=keep_logprobs)
     valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
     texts = tokenizer.batch_decode(valid, skip_special_tokens=True)
     scores = rewards.score(texts, [ex.answer for ex in rows], ro.lengths.tolist(), ro.truncated.tolist(),
@@ -225,7 +232,23 @@ def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, 
 
 def sample_batch(policy, tokenizer, examples: list[task.Example], args: Args) -> Batch:
     """G sampled completions per prompt, each group in consecutive rows."""
-    return generate_and_score(policy, tokenizer, [ex for ex in examples for _ in range(args.num_generations)], args)
+    return generate_and_score(policy, tokenizer, [ex for ex in examples for _ in range(args.num_generations)], args,
+                              keep_logprobs=old_from_sampler(policy, args))
+
+
+def is_on_policy(args: Args) -> bool:
+    """One minibatch, one epoch: every update sees the policy that sampled, so every ratio is exactly 1."""
+    return args.num_minibatches == 1 and args.num_epochs == 1
+
+
+def old_from_sampler(policy, args: Args) -> bool:
+    """Whether pi_old's log-probs are kept from generate's logits instead of recomputed (see Args.old_logprobs)."""
+    if is_on_policy(args):
+        return False  # pi_old is never needed
+    if args.old_logprobs != "auto":
+        return args.old_logprobs == "sampler"
+    logit_bytes = args.num_prompts * args.num_generations * args.max_new_tokens * policy.config.vocab_size * 4
+    return policy.dtype == torch.float32 and logit_bytes <= 2**30
 
 
 def join(parts: list[Batch], pad_id: int) -> Batch:
@@ -326,11 +349,13 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     adv, mask = adv.to(device), ro.completion_mask.float()
     b = mask.shape[0]
     everything = torch.arange(b, device=device)
-    on_policy = args.num_minibatches == 1 and args.num_epochs == 1
+    on_policy = is_on_policy(args)
     old_logp = ref_logp = None
+    if ro.sampler_logp is not None:  # pi_old as the sampler saw it
+        old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
     with torch.inference_mode():
-        if not on_policy:  # pi_old: once, before the first update; skipped when the ratio is 1 by construction
-            old_logp, entropy = logprobs_of(policy, ro, everything, args, with_entropy=True)
+        if not on_policy and old_logp is None:  # pi_old: once, before the first update; skipped when the
+            old_logp, entropy = logprobs_of(policy, ro, everything, args, with_entropy=True)  # ratio is 1 anyway
         if cfg.beta > 0:
             ref_logp = logprobs_of(ref_policy, ro, everything, args)
     mb_size = b // args.num_minibatches
@@ -612,9 +637,12 @@ def train(args: Args) -> dict:
             "rng": rng or checkpoint.rng_state(gen), "wandb_id": logger.run.id, "before": before,
         }, args.keep_checkpoints)
 
-    if args.num_minibatches == 1 and args.num_epochs == 1:
+    if is_on_policy(args):
         print("fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward pass "
               "and nothing clips; use --num-minibatches > 1 to see the ratios move")
+    else:
+        print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
+                            else "recomputed by one forward pass over each rollout before its first update"))
     print(f"{args.algo}: {cfg}")
     policy.train()
     if state:

@@ -60,3 +60,34 @@ def test_concat_pads_prompts_left_and_completions_right():
     assert c.prompt_ids.tolist() == [[3, 4], [0, 3]] and c.prompt_mask.tolist() == [[1, 1], [0, 1]]
     assert c.completion_ids.tolist() == [[5, EOS, 0], [5, 6, EOS]]
     assert c.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert c.sampler_logp is None  # nothing kept, nothing invented
+
+
+def test_concat_and_select_carry_the_sampler_logprobs():
+    a = rollout.Rollout(torch.tensor([[3]]), torch.tensor([[1]]), torch.tensor([[5, EOS]]), torch.tensor([[1, 1]]),
+                        torch.tensor([False]), torch.tensor([[-0.5, -0.25]]), torch.tensor([[1.0, 2.0]]))
+    b = rollout.Rollout(torch.tensor([[3]]), torch.tensor([[1]]), torch.tensor([[EOS]]), torch.tensor([[1]]),
+                        torch.tensor([False]), torch.tensor([[-0.75]]), torch.tensor([[0.5]]))
+    c = rollout.Rollout.concat([a, b], pad_id=0)
+    assert c.sampler_logp.tolist() == [[-0.5, -0.25], [-0.75, 0.0]]
+    assert c.sampler_entropy.tolist() == [[1.0, 2.0], [0.5, 0.0]]
+    assert c.select(torch.tensor([1])).sampler_logp.tolist() == [[-0.75, 0.0]]
+
+
+def test_sampler_logprobs_equal_a_recomputed_forward(tiny_policy_dir, cpu):
+    """pi_old kept from generate's own logits is the policy's distribution: a separate forward pass over the
+    finished rollout agrees to float rounding (far inside GSPO's 3e-4 clip range), entropy included."""
+    policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
+    torch.manual_seed(0)
+    prompts = ["7 mod 3 =", "47 mod 13 =", "100 mod 17 ="] * 2  # left-padded rows too
+    ro = rollout.generate(policy, tok, prompts, max_new_tokens=16, temperature=0.7, keep_logprobs=True)
+    with torch.no_grad():
+        logp, ent = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1],
+                                                temperature=0.7, with_entropy=True)
+    valid = ro.completion_mask.bool()
+    assert ro.sampler_logp.shape == logp.shape
+    assert (ro.sampler_logp - logp)[valid].abs().max() < 1e-4
+    assert (ro.sampler_entropy - ent)[valid].abs().max() < 1e-4
+    seq_log_ratio = ((logp - ro.sampler_logp) * valid).sum(1) / valid.sum(1)  # GSPO's log s_i at theta = theta_old
+    assert seq_log_ratio.abs().max() < 1e-5
+    assert (ro.sampler_logp[valid] < 0).all()  # real log-probs, not zeros

@@ -58,6 +58,35 @@ def test_on_policy_run_skips_pi_old_and_nothing_clips(tmp_path, tiny_policy_dir,
     assert all(m["clip/frac"] == 0.0 and m["ratio/token_var"] == 0.0 for m in metrics if m["step"] > 0)
 
 
+def test_pi_old_from_the_sampler_matches_a_recomputed_pi_old(tmp_path, tiny_policy_dir, capsys):
+    _, kept, _ = run(tmp_path / "a", tiny_policy_dir, algo="gspo", old_logprobs="sampler", save_model=False)
+    assert "pi_old: the sampler's own log-probs" in capsys.readouterr().out
+    _, recomputed, _ = run(tmp_path / "b", tiny_policy_dir, algo="gspo", old_logprobs="recompute", save_model=False)
+    assert "pi_old: recomputed" in capsys.readouterr().out
+    for a, b in zip(kept, recomputed):
+        assert a["step"] == b["step"] and a.get("charts/reward") == b.get("charts/reward")  # same samples
+        for key in ("losses/policy_loss", "losses/entropy", "clip/seq_frac", "eval/accuracy"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], abs=1e-4), key
+
+
+class FakePolicy:
+    def __init__(self, vocab_size, dtype):
+        self.config, self.dtype = type("Config", (), {"vocab_size": vocab_size}), dtype
+
+
+@pytest.mark.parametrize("flags, policy, expected", [
+    ({}, FakePolicy(100, torch.float32), True),
+    ({}, FakePolicy(100, torch.bfloat16), False),  # a cached bf16 decode rounds differently from training's pass
+    ({}, FakePolicy(152_000, torch.float32), False),  # 128 x 64 x 152k fp32 logits = 4.6 GiB: recompute
+    ({"old_logprobs": "sampler"}, FakePolicy(152_000, torch.bfloat16), True),
+    ({"old_logprobs": "recompute"}, FakePolicy(100, torch.float32), False),
+    ({"num_minibatches": 1}, FakePolicy(100, torch.float32), False),  # on-policy: pi_old is never needed
+])
+def test_where_pi_old_comes_from(flags, policy, expected):
+    assert train.old_from_sampler(policy, train.Args(**flags)) is expected
+
+
 def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset):
     # a randomly initialised model saved with save_pretrained, pad == eos, a chat template, a JSONL dataset
     summary, metrics, run_dir = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
