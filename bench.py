@@ -226,14 +226,14 @@ def report(args: BenchArgs, cfg: dict, results: dict) -> None:
 
     def row(label: str, vals: dict) -> str:
         ratios = [f"{statistics.median(vals[s]) / statistics.median(vals['trl']):.2f}" for s in mine] if has_trl else []
-        return f"{label:<22}" + "".join(f"{summarise(vals[s]):>30}" for s in args.sides) + "".join(f"{r:>12}" for r in ratios)
+        return f"{label:<22}" + "".join(f"{summarise(vals[s]):>30}" for s in args.sides) + "".join(f"{r:>22}" for r in ratios)
 
     mine = [s for s in args.sides if s != "trl"]
     has_trl = "trl" in args.sides
     print(f"\nconfig {args.config}: P={cfg['num_prompts']} G={cfg['num_generations']} max_new_tokens="
           f"{cfg['max_new_tokens']}, 4 minibatches, GSPO; {args.repeats} processes per side, median (min-max)")
     print(f"{'figure':<22}" + "".join(f"{s:>30}" for s in args.sides)
-          + ("".join(f"{s + '/trl':>12}" for s in mine) if has_trl else ""))
+          + ("".join(f"{s + '/trl':>22}" for s in mine) if has_trl else ""))
     for label, key in [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),
                        ("update tokens/s", "update_tok_s")]:
         print(row(label, {s: per_process(s, key) for s in args.sides}))
