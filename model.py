@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import string
 from pathlib import Path
 
@@ -175,7 +176,10 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None  # a concurrent run may have finished first: keep its copy
+    try:
+        os.replace(tmp, out)
+    except OSError:  # a concurrent run finished first (out exists and is not empty): keep its copy, drop ours
+        shutil.rmtree(tmp)
     return out
 
 

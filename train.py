@@ -2,7 +2,7 @@
 
 Each step: draw P prompts -> sample G completions each -> verify -> group advantages -> split the P*G rollout into
 `num_minibatches` optimizer steps for `num_epochs` passes, each step one of the four objectives in losses.py.
-Only the first minibatch of a rollout is on-policy (ratio exactly 1); the later ones see a moved policy, which is
+Only the first minibatch of a rollout is on-policy (ratio 1); the later ones see a moved policy, which is
 what makes the ratios, their variance and the clip fractions (the GSPO paper's subject) non-trivial.
 """
 
