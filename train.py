@@ -76,7 +76,8 @@ class Args:
     before the first update (as TRL and verl do); auto: sampler in fp32 when those logits fit in 1 GiB, else
     recompute. In bf16/fp16 a cached decode and a full forward round differently, by more than GSPO's clip range."""
     micro_batch_size: int = 0
-    """rows per forward/backward (gradient accumulation); 0: a whole minibatch at once"""
+    """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
+    each out-of-memory error)"""
     lr: float = 5e-5
     """AdamW learning rate"""
     lr_scheduler: str = "constant_with_warmup"
@@ -342,6 +343,11 @@ def logprobs_of(policy, ro: rollout.Rollout, rows: torch.Tensor, args: Args, wit
                                        ro.completion_ids.shape[1], args.temperature, with_entropy)
 
 
+# --micro-batch-size 0 sizes micro-batches to the machine: a whole minibatch per forward/backward, halved after each
+# out-of-memory error; the size that fits is remembered for the rest of the process (per minibatch size).
+AUTO_MICRO_BATCH: dict[int, int] = {}
+
+
 def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Tensor, cfg: LossConfig,
            args: Args, gen: torch.Generator) -> dict:
     device = next(policy.parameters()).device
@@ -359,26 +365,44 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         if cfg.beta > 0:
             ref_logp = logprobs_of(ref_policy, ro, everything, args)
     mb_size = b // args.num_minibatches
-    micro = args.micro_batch_size or mb_size
-    seen_logp, seen_rows, seen_entropy, step_losses, grad_norms, skipped = [], [], [], [], [], 0
+
+    def accumulate(mb: torch.Tensor, micro: int) -> tuple[float, list]:
+        """Forward/backward over one optimizer step's rows, `micro` rows at a time (gradient accumulation);
+        returns the summed loss and, per micro-batch, (rows, log-probs, entropy or None) for the diagnostics."""
+        norm = StepNorm.of(mask[mb], args.max_new_tokens)  # normalisers of the whole optimizer step
+        total, scored = 0.0, []
+        for rows in mb.split(micro):
+            entropy_now = None
+            if on_policy:
+                logp, entropy_now = logprobs_of(policy, ro, rows, args, with_entropy=True)
+                old = logp.detach()
+            else:
+                logp, old = logprobs_of(policy, ro, rows, args), old_logp[rows]
+            loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
+                                         None if ref_logp is None else ref_logp[rows], diagnostics=False)
+            loss.backward()
+            total += loss.item()
+            scored.append((rows, logp.detach(), entropy_now))
+        return total, scored
+
+    seen, step_losses, grad_norms, skipped = [], [], [], 0
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
-            norm = StepNorm.of(mask[mb], args.max_new_tokens)  # normalisers of the whole optimizer step
-            total = 0.0
-            for rows in mb.split(micro):
-                if on_policy:
-                    logp, entropy = logprobs_of(policy, ro, rows, args, with_entropy=True)
-                    old = logp.detach()
-                    seen_entropy.append(entropy)
-                else:
-                    logp, old = logprobs_of(policy, ro, rows, args), old_logp[rows]
-                loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                             None if ref_logp is None else ref_logp[rows], diagnostics=False)
-                loss.backward()
-                total += loss.item()
-                seen_logp.append(logp.detach())
-                seen_rows.append(rows)
+            micro = args.micro_batch_size or AUTO_MICRO_BATCH.get(mb_size, mb_size)
+            while True:
+                try:
+                    total, scored = accumulate(mb, micro)
+                    break
+                except torch.OutOfMemoryError:
+                    if args.micro_batch_size or micro == 1:
+                        raise
+                    optimizer.zero_grad(set_to_none=True)  # drop the partial gradient and retry the step smaller
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    micro = AUTO_MICRO_BATCH[mb_size] = micro // 2
+                    print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
+            seen += scored
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if math.isfinite(total) and torch.isfinite(grad_norm):
                 optimizer.step()
@@ -390,15 +414,15 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             optimizer.zero_grad(set_to_none=True)
     # Diagnostics over every row scored during the update, each against pi_old: the statistics of the ratios
     # that the objective actually saw.
-    rows = torch.cat(seen_rows)
-    new = torch.cat(seen_logp)
+    rows = torch.cat([r for r, _, _ in seen])
+    new = torch.cat([lp for _, lp, _ in seen])
     old_all = new if on_policy else old_logp[rows]
     diag = losses.ratio_diagnostics(new, old_all, adv[rows], mask[rows], cfg)
     buckets = losses.length_bucket_stats(new, old_all, mask[rows])
     metrics = {
         "losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
         "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-        "losses/entropy": losses.masked_mean(torch.cat(seen_entropy), mask[rows]) if on_policy
+        "losses/entropy": losses.masked_mean(torch.cat([e for _, _, e in seen]), mask[rows]) if on_policy
         else losses.masked_mean(entropy, mask),
         "losses/skipped_updates": skipped,
         **{("losses/" + k if k == "approx_kl" else k): v for k, v in diag.items()},
@@ -514,8 +538,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
     (lambda a: a.num_minibatches < 1 or (a.num_prompts * a.num_generations) % a.num_minibatches,
      "--num-minibatches {num_minibatches} must divide the rollout's {num_prompts}x{num_generations} rows"),
-    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 means a "
-                                       "whole minibatch at once"),
+    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "
+                                       "them to the machine"),
     (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
     (lambda a: a.overlong_weight and not 0 < a.overlong_cache <= a.max_new_tokens,
      "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
@@ -564,6 +588,25 @@ def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_ne
 
 class NonFiniteError(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory even at one row per forward/backward, or while generating."""
+
+
+def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
+    """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
+    the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if unchanged:
+        where = f"saved {save_start()}"
+    else:
+        last = checkpoint.all_checkpoints(run_dir / "checkpoints")
+        where = f"latest checkpoint: {last[-1] if last else 'none (use --save-every)'}"
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else "no details"
+    return OutOfMemory(f"out of memory in step {step} ({reason[:120]}); {where}. Set --micro-batch-size and "
+                       f"{resume_hint}, or start a new run with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
 class GracefulStop:
@@ -656,11 +699,15 @@ def train(args: Args) -> dict:
     try:
         for step in range(first_step, args.total_steps + 1):
             rng_at_start, cursor_at_start = checkpoint.rng_state(gen), stream.cursor
+            updates_at_start = scheduler.last_epoch  # optimizer steps taken so far
             try:
                 _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen)
             except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
                 path = save(step - 1, rng_at_start, cursor_at_start)
                 raise DynamicSamplingError(f"{e}. Saved {path}; {resume_hint}")
+            except torch.OutOfMemoryError as e:
+                raise out_of_memory(e, step, scheduler.last_epoch == updates_at_start,
+                                    lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
             metrics["perf/elapsed_min"] = (time.time() - start) / 60
             if step % args.eval_every == 0 or step == args.total_steps:
                 metrics.update(evaluate(policy, tokenizer, test_set, args))
@@ -706,7 +753,7 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
 
 
 USER_ERRORS = (ConfigError, task.TaskError, models.ModelError, checkpoint.CheckpointError, DynamicSamplingError,
-               NonFiniteError)
+               NonFiniteError, OutOfMemory)
 
 
 def main(argv: list[str] | None = None) -> None:

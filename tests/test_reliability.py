@@ -145,6 +145,28 @@ def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, rand
     assert (tmp_path / "dapo-s0" / "checkpoints" / "step-000000" / "state.pt").is_file()
 
 
+def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    real, calls = train.rollout.generate, []
+
+    def fails_on_the_third_rollout(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # 1: the eval before training, 2: step 1's rollout, 3: step 2's rollout
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+        return real(*a, **kw)
+
+    base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "3"] + SMALL
+    monkeypatch.setattr(train.rollout, "generate", fails_on_the_third_rollout)
+    code, err = cli(base, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "out of memory in step 2 (CUDA out of memory. Tried to allocate 2.00 GiB)" in err
+    assert "--micro-batch-size" in err and "--resume auto" in err
+    assert (tmp_path / "gspo-s0" / "checkpoints" / "step-000001" / "state.pt").is_file()
+    monkeypatch.setattr(train.rollout, "generate", real)
+    train.main(base + ["--resume", "auto", "--micro-batch-size", "4"])  # a smaller micro-batch may resume
+    assert "resumed from" in capsys.readouterr().out
+    assert json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["accuracy_after"] >= 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,7 +228,7 @@ def spawn(argv, out_dir):
 
 
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
-    argv = ["--model", str(tiny_policy_dir), "--total-steps", "8", "--save-every", "2", "--algo", "dapo",
+    argv = ["--model", str(tiny_policy_dir), "--total-steps", "24", "--save-every", "2", "--algo", "dapo",
             "--max-sampling-rounds", "30"] + SMALL
     reference = spawn(argv, tmp_path / "ref")
     victim = spawn(argv, tmp_path / "kill")

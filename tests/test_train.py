@@ -70,6 +70,31 @@ def test_pi_old_from_the_sampler_matches_a_recomputed_pi_old(tmp_path, tiny_poli
                 assert a[key] == pytest.approx(b[key], abs=1e-4), key
 
 
+def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path, tiny_policy_dir, monkeypatch, capsys):
+    """--micro-batch-size 0 starts with a whole minibatch (8 rows here); a device that only fits 2 rows per
+    forward/backward gets there by halving, without losing a step, and computes what --micro-batch-size 2 does."""
+    _, fixed, _ = run(tmp_path / "fixed", tiny_policy_dir, algo="gspo", micro_batch_size=2, save_model=False)
+    real = train.logprobs_of
+
+    def small_device(policy, ro, rows, args, with_entropy=False):
+        if torch.is_grad_enabled() and len(rows) > 2:
+            raise torch.OutOfMemoryError("simulated: tried to allocate too much")
+        return real(policy, ro, rows, args, with_entropy)
+
+    monkeypatch.setattr(train, "logprobs_of", small_device)
+    monkeypatch.setattr(train, "AUTO_MICRO_BATCH", {})
+    _, auto, _ = run(tmp_path / "auto", tiny_policy_dir, algo="gspo", save_model=False)
+    out = capsys.readouterr().out
+    assert "out of memory at 8 rows" in out and "out of memory at 4 rows" in out
+    assert out.count("out of memory") == 2  # remembered after the first step, not searched again
+    assert train.AUTO_MICRO_BATCH == {8: 2}
+    for a, b in zip(auto, fixed):
+        assert a.keys() == b.keys()
+        for key in a:
+            if not key.startswith("perf/"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
 class FakePolicy:
     def __init__(self, vocab_size, dtype):
         self.config, self.dtype = type("Config", (), {"vocab_size": vocab_size}), dtype
