@@ -343,6 +343,13 @@ def logprobs_of(policy, ro: rollout.Rollout, rows: torch.Tensor, args: Args, wit
                                        ro.completion_ids.shape[1], args.temperature, with_entropy)
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; MPS and the CPU allocator a RuntimeError that says so."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
 # --micro-batch-size 0 sizes micro-batches to the machine: a whole minibatch per forward/backward, halved after each
 # out-of-memory error; the size that fits is remembered for the rest of the process (per minibatch size).
 AUTO_MICRO_BATCH: dict[int, int] = {}
@@ -394,8 +401,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                 try:
                     total, scored = accumulate(mb, micro)
                     break
-                except torch.OutOfMemoryError:
-                    if args.micro_batch_size or micro == 1:
+                except RuntimeError as e:
+                    if not is_out_of_memory(e) or args.micro_batch_size or micro == 1:
                         raise
                     optimizer.zero_grad(set_to_none=True)  # drop the partial gradient and retry the step smaller
                     if device.type == "cuda":
@@ -705,7 +712,9 @@ def train(args: Args) -> dict:
             except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
                 path = save(step - 1, rng_at_start, cursor_at_start)
                 raise DynamicSamplingError(f"{e}. Saved {path}; {resume_hint}")
-            except torch.OutOfMemoryError as e:
+            except RuntimeError as e:
+                if not is_out_of_memory(e):
+                    raise
                 raise out_of_memory(e, step, scheduler.last_epoch == updates_at_start,
                                     lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
             metrics["perf/elapsed_min"] = (time.time() - start) / 60
