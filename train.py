@@ -74,7 +74,8 @@ class Args:
     """where pi_old comes from when a rollout feeds several updates. sampler: the logits generate drew from (no
     extra forward pass, but generate holds all P*G*T*V logits); recompute: one forward pass over the rollout
     before the first update (as TRL and verl do); auto: sampler in fp32 when those logits fit in 1 GiB, else
-    recompute. In bf16/fp16 a cached decode and a full forward round differently, by more than GSPO's clip range."""
+    recompute. In bf16 a cached decode and a full forward round differently by more than GSPO's clip range (23% of
+    the default rollout's sequences, measured), so auto recomputes there."""
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
     each out-of-memory error)"""
