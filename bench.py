@@ -6,13 +6,14 @@
 
 Each measurement is a separate process (`--worker ours|trl`), alternating ours/TRL, `--repeats` times each. Ours
 takes pi_old from the sampler's own logits (train.py's --old-logprobs auto, in fp32); TRL recomputes it with a
-forward pass; `--sides ours ours-recompute trl` also times ours doing the same as TRL. Both run GSPO (sequence-level ratio, clip 3e-4/4e-4, beta 0), sample with temperature 1, top-p 1, top-k off, and split
-each rollout into 4 optimizer steps (TRL: steps_per_generation=4). The first RL step of each process is warm-up
-and not counted. Printed: median and min-max over processes of seconds per RL step, generation tokens/s
-(completion tokens / generation seconds), update tokens/s (rollout tokens, prompt and completion, per second of
-the update phase), peak RSS, and ours/TRL per figure; for ours, also the update phase's achieved FLOP/s
-(6 * params * tokens for forward+backward, plus 2 * params * tokens for a pi_old forward where there is one) against the fp32 matmul
-peak that this script measures on the machine.
+forward pass; `--sides ours ours-recompute trl` also times ours doing the same as TRL. Both run GSPO
+(sequence-level ratio, clip 3e-4/4e-4, beta 0), sample with temperature 1, top-p 1, top-k off, and split each
+rollout into 4 optimizer steps (TRL: steps_per_generation=4). The first RL step of each process is warm-up and not
+counted. Printed: median and min-max over processes of seconds per RL step, generation tokens/s (completion tokens
+/ generation seconds), update tokens/s (rollout tokens, prompt and completion, per second of the update phase),
+peak RSS, and ours/TRL per figure; for ours, also the update phase's achieved FLOP/s (6 * params * tokens for
+forward+backward, plus 2 * params * tokens for a pi_old forward where there is one) against the fp32 matmul peak
+that this script measures on the machine.
 """
 
 from __future__ import annotations
@@ -215,8 +216,8 @@ def main() -> None:
             if out.returncode or not line:
                 raise SystemExit(f"error: the {side} worker failed:\n{out.stderr[-3000:]}")
             results[side].append(json.loads(line[0][7:]))
-            print(f"repeat {r + 1}/{args.repeats} {side}: {statistics.median(x['step_s'] for x in results[side][-1]['rows']):.3f} s/step",
-                  flush=True)
+            step_s = statistics.median(x["step_s"] for x in results[side][-1]["rows"])
+            print(f"repeat {r + 1}/{args.repeats} {side}: {step_s:.3f} s/step", flush=True)
     report(args, cfg, results)
 
 
@@ -225,8 +226,10 @@ def report(args: BenchArgs, cfg: dict, results: dict) -> None:
         return [statistics.median(r[key] for r in res["rows"]) for res in results[side]]
 
     def row(label: str, vals: dict) -> str:
-        ratios = [f"{statistics.median(vals[s]) / statistics.median(vals['trl']):.2f}" for s in mine] if has_trl else []
-        return f"{label:<22}" + "".join(f"{summarise(vals[s]):>30}" for s in args.sides) + "".join(f"{r:>22}" for r in ratios)
+        cells = [f"{summarise(vals[s]):>30}" for s in args.sides]
+        if has_trl:
+            cells += [f"{statistics.median(vals[s]) / statistics.median(vals['trl']):>22.2f}" for s in mine]
+        return f"{label:<22}" + "".join(cells)
 
     mine = [s for s in args.sides if s != "trl"]
     has_trl = "trl" in args.sides
