@@ -351,6 +351,12 @@ def is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
 
 
+def free_cached_memory() -> None:
+    """Hand the allocator's cached blocks back after an out-of-memory error (CUDA keeps them otherwise)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # --micro-batch-size 0 sizes micro-batches to the machine: a whole minibatch per forward/backward, halved after each
 # out-of-memory error; the size that fits is remembered for the rest of the process (per minibatch size).
 AUTO_MICRO_BATCH: dict[int, int] = {}
@@ -365,11 +371,11 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     everything = torch.arange(b, device=device)
     on_policy = is_on_policy(args)
     old_logp = ref_logp = None
-    if ro.sampler_logp is not None:  # pi_old as the sampler saw it
-        old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
     with torch.inference_mode():
-        if not on_policy and old_logp is None:  # pi_old: once, before the first update; skipped when the
-            old_logp, entropy = logprobs_of(policy, ro, everything, args, with_entropy=True)  # ratio is 1 anyway
+        if ro.sampler_logp is not None:  # pi_old as the sampler saw it
+            old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
+        elif not on_policy:  # pi_old recomputed once, before the first update (on-policy: the ratio is 1 anyway)
+            old_logp, entropy = logprobs_of(policy, ro, everything, args, with_entropy=True)
         if cfg.beta > 0:
             ref_logp = logprobs_of(ref_policy, ro, everything, args)
     mb_size = b // args.num_minibatches
@@ -406,8 +412,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                     if not is_out_of_memory(e) or args.micro_batch_size or micro == 1:
                         raise
                     optimizer.zero_grad(set_to_none=True)  # drop the partial gradient and retry the step smaller
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    free_cached_memory()
                     micro = AUTO_MICRO_BATCH[mb_size] = micro // 2
                     print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
             seen += scored
@@ -605,8 +610,7 @@ class OutOfMemory(RuntimeError):
 def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
     """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
     the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_cached_memory()
     if unchanged:
         where = f"saved {save_start()}"
     else:
