@@ -24,7 +24,7 @@ import torch
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
-            "device", "max_nonfinite_steps", "micro_batch_size"}
+            "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds"}
 
 
 class CheckpointError(ValueError):
@@ -73,6 +73,9 @@ def find(resume: str, run_dir: Path) -> Path | None:
         found = all_checkpoints(run_dir / "checkpoints")
         return found[-1] if found else None
     path = Path(resume)
+    if path.is_file() and path.parent.name.startswith("step-"):
+        raise CheckpointError(f"--resume {resume} is a file inside a checkpoint; pass the checkpoint folder "
+                              f"{path.parent}")
     if not path.exists():
         raise CheckpointError(f"--resume {resume}: no such checkpoint; pass a checkpoints/step-NNNNNN folder, "
                               "a run folder, or 'auto'")
@@ -84,10 +87,16 @@ def find(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
+def earlier_hint(path: Path) -> str:
+    """What to do when the checkpoint at `path` cannot be used: the others beside it, or starting again."""
+    others = [str(p) for p in all_checkpoints(path.parent) if p != path]
+    return (f"resume from another checkpoint with --resume {others[-1]}" if others else
+            "no other checkpoint here: start again with --overwrite (or another --run-name)")
+
+
 def load_state(path: Path) -> dict:
     """state.pt of a checkpoint, with a one-line error for a missing, truncated or corrupt file."""
-    others = ", ".join(p.name for p in all_checkpoints(path.parent) if p != path) or "none"
-    hint = f"resume from an earlier checkpoint (others here: {others}) or start again without --resume"
+    hint = earlier_hint(path)
     if not (path / "state.pt").is_file() or not (path / "model" / "config.json").is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (state.pt or model/ missing); {hint}")
     try:

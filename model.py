@@ -71,7 +71,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 4) -> LlamaForCausalLM:
+def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 4,
+                     max_positions: int = 128) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -80,7 +81,7 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -94,22 +95,44 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def hub_endpoint() -> str:
+    """The hub address the Hugging Face client will use (HF_ENDPOINT, read when huggingface_hub is imported)."""
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def hub_offline(timeout: float = 3.0) -> bool:
+    """True when the hub is switched off (HF_HUB_OFFLINE) or does not answer within `timeout` seconds. Asked once,
+    up front: the hub client's own retries take close to a minute to give up."""
+    import guards
+
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not guards.reachable(hub_endpoint(), timeout)
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a hub id, a local model directory, or a .gguf file (dequantised by transformers)."""
     kwargs, source = {}, name
-    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
+    local = Path(name).expanduser()
+    looks_local = name.startswith(("/", ".", "~")) or local.suffix in (".gguf", ".safetensors", ".bin", ".pt") \
+        or name.count("/") > 1
+    if looks_local and not local.exists():
         raise ModelError(f"model path {name} does not exist; pass a model directory, a .gguf file or a hub id")
     if name.endswith(".gguf"):
-        path = Path(name)
-        if not path.is_file():
-            raise ModelError(f"GGUF file {name} does not exist; pass the path to a .gguf model file")
-        source, kwargs = str(path.parent), {"gguf_file": path.name}
-    elif Path(name).exists() and not (Path(name) / "config.json").is_file():
+        if not local.is_file():
+            raise ModelError(f"GGUF file {name} is not a file; pass the path to a .gguf model file")
+        source, kwargs = str(local.parent), {"gguf_file": local.name}
+    elif local.exists() and not (local / "config.json").is_file():
         raise ModelError(f"{name} is not a model directory (no config.json); pass a save_pretrained directory")
+    elif not local.exists() and hub_offline():  # a hub id, and no hub: only the local cache can have it
+        kwargs = {"local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:  # loaders raise many types (OSError, ValueError, ImportError, ...); all mean "cannot load"
+        if kwargs.get("local_files_only"):
+            raise ModelError(f"model {name!r}: no such local folder, and the hub ({hub_endpoint()}) is unreachable "
+                             "and has no cached copy; pass a local model directory or .gguf file")
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ModelError(f"could not load model {name!r}: {first}")
     return prepare(model, tokenizer, device)
@@ -140,6 +163,14 @@ def format_prompt(tokenizer, prompt: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 WARM_START = dict(version=1, steps=600, batch_size=64, lr=1e-3, slip_prob=0.6, hidden=128, layers=4)
+# The long task: answers ~10x longer, so fewer, shorter batches see as many subtractions; a longer context.
+WARM_START_LONG = dict(version=1, task="long", steps=600, batch_size=32, lr=2e-3, slip_prob=0.6,
+                       hidden=128, layers=4, max_positions=512, sft_chunk=8)
+
+
+def warm_start_settings(dataset: str) -> dict:
+    """The warm-start recipe for an embedded dataset: the long task has its own, every other one the default's."""
+    return WARM_START_LONG if dataset == "embedded-long" else WARM_START
 
 
 def cache_root() -> Path:
@@ -156,9 +187,10 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
     if (out / "config.json").is_file():
         return out
     tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, seed, settings["hidden"], settings["layers"])
+    long = settings.get("task") == "long"
+    model = build_tiny_model(tokenizer, seed, settings["hidden"], settings["layers"], settings.get("max_positions", 128))
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    problems = task.split(heldout=False)
+    problems = task.split(heldout=False, long=long)
     opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings["lr"], total_steps=settings["steps"], pct_start=0.1)
     model.train()
@@ -166,13 +198,24 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
     for _ in bar:
         idx = torch.randint(len(problems), (settings["batch_size"],), generator=gen).tolist()
         batch = [problems[i] for i in idx]
-        ids, labels = sft_batch(tokenizer, batch, rng, settings["slip_prob"])
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        texts = [(p, task.solve(p, rng, settings["slip_prob"], first_step_only=long)) for p in batch]
+        chunk = settings.get("sft_chunk")
+        if chunk:  # padded in chunks of similar length (long answers span 20-300 tokens): the same gradient as
+            texts.sort(key=lambda pt: len(pt[1]))  # one padded batch, without computing most of the padding
+        size = chunk or len(texts)
+        chunks = [sft_batch(tokenizer, texts[i:i + size]) for i in range(0, len(texts), size)]
+        n_tokens = sum(int((labels != -100).sum()) for _, labels in chunks)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for ids, labels in chunks:
+            loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+            if len(chunks) > 1:  # token-weighted, as one padded batch would be
+                loss = loss * int((labels != -100).sum()) / n_tokens
+            loss.backward()
+            total += loss.item()
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        bar.set_postfix(loss=f"{total:.3f}", refresh=False)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -183,12 +226,13 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
     return out
 
 
-def sft_batch(tokenizer, problems, rng: random.Random, slip_prob: float):
-    """Right-padded (input_ids, labels) for teacher-forced training; only completion tokens carry a loss."""
+def sft_batch(tokenizer, texts: list[tuple[task.Problem, str]]):
+    """Right-padded (input_ids, labels) of (problem, completion) pairs for teacher-forced training; only
+    completion tokens (and EOS) carry a loss."""
     rows = []
-    for terms in problems:
-        p = tokenizer(task.prompt_text(terms))["input_ids"]
-        c = tokenizer(task.solve(terms, rng, slip_prob))["input_ids"] + [tokenizer.eos_token_id]
+    for problem, completion in texts:
+        p = tokenizer(task.prompt_text(problem))["input_ids"]
+        c = tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p + c, [-100] * len(p) + c))
     width = max(len(r[0]) for r in rows)
     pad = tokenizer.pad_token_id

@@ -68,39 +68,48 @@ def grid(args: SweepArgs) -> list[dict]:
     return runs
 
 
-def launch(flags: dict, args: SweepArgs, train_args: list[str], runs_dir: Path, threads: int) -> tuple[str, float, int]:
+def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, threads: int) -> tuple[str, float, int]:
+    """One train.py process for one grid point; its flags are kept in sweep.json so the report knows its axes."""
     run_dir = runs_dir / flags["run_name"]
     if (run_dir / "summary.json").is_file():
         return flags["run_name"], 0.0, -1  # finished earlier: skipped
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run restarts from scratch
-    cmd = [sys.executable, "train.py", "--output-dir", str(runs_dir), "--wandb-group", args.name,
+    cmd = [sys.executable, "train.py", "--output-dir", str(runs_dir), "--wandb-group", name,
            "--wandb-tags", "sweep", flags["algo"], "--no-save-model", *train_args]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", v]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     start = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "sweep.json").write_text(json.dumps(flags, indent=2))
     with (run_dir / "console.log").open("w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parent)
     return flags["run_name"], time.time() - start, rc
 
 
-def run_sweep(args: SweepArgs, train_args: list[str], runs_dir: Path) -> None:
-    runs = grid(args)
-    if "--model" not in train_args:  # build each seed's warm start once, before runs race to build it
-        import model
+def warm_starts_first(runs: list[dict], train_args: list[str]) -> None:
+    """Build each (seed, dataset) warm start once, before parallel runs race to build it."""
+    if "--model" in train_args:
+        return
+    import model
 
-        for seed in sorted({int(r["seed"]) for r in runs}):
-            model.warm_start(seed=seed)
-    threads = max(1, (os.cpu_count() or 1) // args.parallel)
+    default = train_args[train_args.index("--dataset") + 1] if "--dataset" in train_args[:-1] else "embedded"
+    for seed, dataset in sorted({(int(r["seed"]), r.get("dataset", default)) for r in runs}):
+        model.warm_start(seed=seed, settings=model.warm_start_settings(dataset))
+
+
+def run_grid(runs: list[dict], name: str, train_args: list[str], runs_dir: Path, parallel: int) -> None:
+    """Run every grid point not yet finished, `parallel` at a time; print each one's outcome and the wall time."""
+    warm_starts_first(runs, train_args)
+    threads = max(1, (os.cpu_count() or 1) // parallel)
     start = time.time()
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for name, seconds, rc in pool.map(lambda f: launch(f, args, train_args, runs_dir, threads), runs):
-            finished = (runs_dir / name / "summary.json").is_file()  # a run stopped by a signal exits 0 unfinished
+    with ThreadPoolExecutor(parallel) as pool:
+        for run, seconds, rc in pool.map(lambda f: launch(f, name, train_args, runs_dir, threads), runs):
+            finished = (runs_dir / run / "summary.json").is_file()  # a run stopped by a signal exits 0 unfinished
             status = ("skipped (finished)" if rc == -1 else f"done in {seconds / 60:.1f} min" if finished
-                      else f"FAILED (exit {rc}; see {runs_dir / name / 'console.log'})" if rc else "stopped early")
-            print(f"{name}: {status}", flush=True)
-    print(f"sweep {args.name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall")
+                      else f"FAILED (exit {rc}; see {runs_dir / run / 'console.log'})" if rc else "stopped early")
+            print(f"{run}: {status}", flush=True)
+    print(f"{name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,12 +118,16 @@ def run_sweep(args: SweepArgs, train_args: list[str], runs_dir: Path) -> None:
 
 
 def load_runs(runs_dir: Path) -> list[dict]:
+    """Every finished run under runs_dir, with its config, summary, metric rows and swept axes."""
     runs = []
     for summary in sorted(runs_dir.glob("*/summary.json")):
         rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").open()]
         config = json.loads((summary.parent / "config.json").read_text())
+        flags_file = summary.parent / "sweep.json"
+        flags = json.loads(flags_file.read_text()) if flags_file.is_file() else {}
+        axes = {k: str(v) for k, v in flags.items() if k not in ("algo", "seed", "run_name")}
         runs.append({"name": summary.parent.name, "config": config, "summary": json.loads(summary.read_text()),
-                     "rows": rows})
+                     "rows": rows, "axes": axes})
     return runs
 
 
@@ -123,11 +136,33 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts])) if pts else (np.array([]), np.array([]))
 
 
-def by_algo(runs: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for r in runs:
-        out.setdefault(r["config"]["algo"], []).append(r)
+# An algorithm keeps one colour, and a setting of the swept axes one line style, in every figure.
+ALGO_COLORS = {"gspo": "tab:blue", "grpo": "tab:orange", "dr_grpo": "tab:green", "dapo": "tab:red"}
+LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
+
+
+def axes_label(axes: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(axes.items()))
+
+
+def groups_of(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Runs grouped by (algo, setting of every swept axis): the seeds of one grid cell form one group."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(runs, key=lambda r: (r["config"]["algo"], axes_label(r["axes"]))):
+        out.setdefault((r["config"]["algo"], axes_label(r["axes"])), []).append(r)
     return out
+
+
+def styles_of(groups: dict) -> dict[tuple[str, str], dict]:
+    """matplotlib style per group: colour from the algo, line style from the swept setting."""
+    settings = sorted({setting for _, setting in groups})
+    return {(algo, setting): {"color": ALGO_COLORS.get(algo, "tab:gray"),
+                              "linestyle": LINE_STYLES[settings.index(setting) % len(LINE_STYLES)]}
+            for algo, setting in groups}
+
+
+def group_label(algo: str, setting: str) -> str:
+    return f"{algo} {setting}".strip()
 
 
 def mean_band(ax, runs: list[dict], key: str, label: str, **style) -> None:
@@ -142,8 +177,9 @@ def mean_band(ax, runs: list[dict], key: str, label: str, **style) -> None:
 
 
 def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
+    """One row per grid cell (algo x swept setting), averaged over its seeds."""
     rows = []
-    for algo, rs in by_algo(runs).items():
+    for (algo, setting), rs in groups_of(runs).items():
         final = [r["summary"]["accuracy_after"] for r in rs]
         reach = []
         for r in rs:
@@ -156,7 +192,7 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
             y = series(r, "charts/completion_len")[1]
             return float(y[-10:].mean() - y[:10].mean())
         rows.append({
-            "algo": algo, "runs": len(rs),
+            "algo": algo, "setting": setting, "runs": len(rs),
             "accuracy_before": float(np.mean([r["summary"]["accuracy_before"] for r in rs])),
             "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": float(np.std(final)),
             f"steps_to_{threshold:g}": float(np.nanmean(reach)) if not all(map(math.isnan, reach)) else float("nan"),
@@ -183,75 +219,84 @@ def plotted_points(fig) -> int:
     return sum(len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines())
 
 
+def length_bucket_points(rs: list[dict], key: str) -> list[tuple[float, float]]:
+    """(mean length, RMS over steps and seeds of `key`) per length quartile, for one group of runs."""
+    pts = []
+    for q in range(1, 5):
+        lens = [v for r in rs for v in series(r, f"lenbucket/q{q}_len")[1]]
+        vals = [v for r in rs for v in series(r, f"lenbucket/q{q}_{key}")[1]]
+        if lens and vals:
+            pts.append((float(np.mean(lens)), float(np.sqrt(np.mean(np.square(vals))))))
+    return pts
+
+
 def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> dict[str, int]:
-    """Write summary.md, summary.csv and four plots; returns the number of data points in each plot."""
+    """Write summary.md, summary.csv and four plots; returns the number of data points in each plot.
+
+    Every grid cell (algo x setting of the swept axes) is its own table row and its own line: colour = algo,
+    line style = setting.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    groups = by_algo(runs)
+    groups = groups_of(runs)
+    styles = styles_of(groups)
     points = {}
 
     # 1. held-out accuracy and train reward
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for algo, rs in groups.items():
-        mean_band(axes[0], rs, "eval/accuracy", algo, marker="o", ms=3)
-        mean_band(axes[1], rs, "charts/reward", algo)
+    for g, rs in groups.items():
+        mean_band(axes[0], rs, "eval/accuracy", group_label(*g), marker="o", ms=3, **styles[g])
+        mean_band(axes[1], rs, "charts/reward", group_label(*g), **styles[g])
     axes[0].set(title="held-out greedy accuracy", xlabel="step", ylabel="accuracy")
     axes[1].set(title="train reward", xlabel="step", ylabel="mean reward")
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     points["accuracy"] = save_figure(fig, out / "accuracy.png")
 
     # 2. the seeds' claim: std of the unnormalised sequence log-ratio and of GSPO's log s_i, per length bucket
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for algo, rs in groups.items():
-        pts = {"std_logsum": [], "std_log_s": []}
-        for q in range(1, 5):
-            lens = [v for r in rs for v in series(r, f"lenbucket/q{q}_len")[1]]
-            if not lens:
-                continue
-            for key in pts:
-                vals = [v for r in rs for v in series(r, f"lenbucket/q{q}_{key}")[1]]
-                pts[key].append((np.mean(lens), np.sqrt(np.mean(np.square(vals)))))  # RMS over steps and seeds
-        for ax, key in zip(axes, pts):
-            if pts[key]:
-                x, y = np.array(pts[key]).T
-                ax.loglog(x, y, marker="o", label=algo)
-    for ax, key, power, name in ((axes[0], "std_logsum", 0.5, "√len"), (axes[1], "std_log_s", -0.5, "1/√len")):
+    for g, rs in groups.items():
+        for ax, key in zip(axes, ("std_logsum", "std_log_s")):
+            pts = length_bucket_points(rs, key)
+            if pts:
+                x, y = np.array(pts).T
+                ax.loglog(x, y, marker="o", label=group_label(*g), **styles[g])
+    for ax, power, name in ((axes[0], 0.5, "√len"), (axes[1], -0.5, "1/√len")):
         lines = [ln for ln in ax.get_lines()]
         if lines:
             x = np.array(lines[0].get_xdata())
             y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
             ref = y0 * (x / np.exp(np.log(x).mean())) ** power
-            ax.loglog(x, ref, "k--", label=f"∝ {name}")
+            ax.loglog(x, ref, "k--", lw=1, label=f"∝ {name}")
         ax.set(xlabel="response length (tokens, bucket mean)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     axes[0].set(title="std of Σ_t log ρ_t (unnormalised sequence log-ratio)")
     axes[1].set(title="std of log s_i (GSPO, length-normalised)")
     points["length_buckets"] = save_figure(fig, out / "length_buckets.png")
 
     # 3. clip fractions, log scale: what each objective clipped, and the shadow fractions on the same batches
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for algo, rs in groups.items():
-        mean_band(axes[0], rs, "clip/frac", algo)
+    for g, rs in groups.items():
+        mean_band(axes[0], rs, "clip/frac", group_label(*g), **styles[g])
     for preset in ALGOS:
-        mean_band(axes[1], runs, f"clip/shadow_{preset}", f"as {preset} would clip")
+        mean_band(axes[1], runs, f"clip/shadow_{preset}", f"as {preset} would clip", color=ALGO_COLORS[preset])
     axes[0].set(title="clip fraction of the trained objective", xlabel="step", yscale="log")
     axes[1].set(title="shadow clip fractions (all runs' batches)", xlabel="step", yscale="log")
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     points["clip"] = save_figure(fig, out / "clip.png")
 
     # 4. response length of correct and incorrect completions
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for algo, rs in groups.items():
-        mean_band(axes[0], rs, "charts/len_correct", algo)
-        mean_band(axes[1], rs, "charts/len_incorrect", algo)
+    for g, rs in groups.items():
+        mean_band(axes[0], rs, "charts/len_correct", group_label(*g), **styles[g])
+        mean_band(axes[1], rs, "charts/len_incorrect", group_label(*g), **styles[g])
     axes[0].set(title="mean length, correct completions", xlabel="step", ylabel="tokens")
     axes[1].set(title="mean length, incorrect completions", xlabel="step")
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     points["lengths"] = save_figure(fig, out / "lengths.png")
 
     rows = summary_rows(runs, threshold)
@@ -260,12 +305,13 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         writer.writeheader()
         writer.writerows(rows)
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = [f"# {title}", "", "| algo | runs | accuracy before | accuracy after (mean ± std) | "
+    lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± std) | "
              f"steps to {threshold:g} | mean clip fraction | mean token-ratio variance | length change | minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['algo']} | {r['runs']} | {r['accuracy_before']:.3f} | {r['accuracy_after_mean']:.3f} ± "
-                     f"{r['accuracy_after_std']:.3f} | {fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
+        lines.append(f"| {r['algo']} | {r['setting'] or '-'} | {r['runs']} | {r['accuracy_before']:.3f} | "
+                     f"{r['accuracy_after_mean']:.3f} ± {r['accuracy_after_std']:.3f} | "
+                     f"{fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
                      f"{fmt(r['token_ratio_var_mean'])} | {r['length_change']:+.1f} | {r['minutes_mean']:.1f} |")
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
@@ -279,7 +325,7 @@ def main() -> None:
     args, train_args = tyro.cli(SweepArgs, description=__doc__, return_unknown_args=True)
     runs_dir = Path(args.output_dir) / args.name / "runs"
     if not args.report_only:
-        run_sweep(args, train_args, runs_dir)
+        run_grid(grid(args), args.name, train_args, runs_dir, args.parallel)
     runs = load_runs(runs_dir)
     if not runs:
         raise SystemExit(f"error: no finished runs under {runs_dir}; run the sweep first (without --report-only)")

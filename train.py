@@ -1,9 +1,14 @@
 """GRPO-family RL for language models, one process: `python train.py --algo gspo`.
 
-Each step: draw P prompts -> sample G completions each -> verify -> group advantages -> split the P*G rollout into
-`num_minibatches` optimizer steps for `num_epochs` passes, each step one of the four objectives in losses.py.
-Only the first minibatch of a rollout is on-policy (ratio 1); the later ones see a moved policy, which is
-what makes the ratios, their variance and the clip fractions (the GSPO paper's subject) non-trivial.
+Each step: draw P prompts, sample G completions each, verify them, compute group advantages.
+
+The P*G rollout then feeds `num_minibatches` optimizer steps per pass, for `num_epochs` passes;
+
+each optimizer step is one of the four objectives in losses.py.
+
+Only a rollout's first minibatch is on-policy (ratio 1); the later ones see a moved policy,
+
+so the ratios, their variance and the clip fractions (the GSPO paper's subject) are non-trivial.
 """
 
 from __future__ import annotations
@@ -11,10 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
-import shutil
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -27,11 +29,13 @@ import tyro
 from transformers import get_scheduler
 
 import checkpoint
+import guards
 import losses
 import model as models
 import rewards
 import rollout
 import task
+from guards import ConfigError
 from losses import LossConfig, StepNorm
 
 
@@ -46,22 +50,24 @@ class Args:
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """'embedded' (the generated remainder task), 'embedded-instruct' (the same, phrased for instruct models),
-    a JSONL file of {"prompt", "answer"} rows, or a hub dataset"""
+    """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 43
+    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), a JSONL file of
+    {"prompt", "answer"} rows, or a hub dataset"""
     device: str = "auto"
     """cuda, mps or cpu; auto picks the first available"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: bf16 on GPUs that support it, else fp32"""
 
     # rollout
-    total_steps: int = 100
-    """RL steps (one rollout each)"""
+    total_steps: int | None = None
+    """RL steps (one rollout each); default: 100, or 60 for --dataset embedded-long"""
     num_prompts: int = 16
     """P: prompts per rollout"""
     num_generations: int = 8
     """G: completions per prompt (the group)"""
-    max_new_tokens: int = 64
-    """generation budget per completion; also Dr.GRPO's normaliser and DAPO's L_max"""
+    max_new_tokens: int | None = None
+    """generation budget per completion; also Dr.GRPO's normaliser and DAPO's L_max (default: 64, or 360 for
+    --dataset embedded-long)"""
     temperature: float = 1.0
     """sampling temperature; log-probs are taken at the same temperature"""
 
@@ -86,28 +92,33 @@ class Args:
     warmup_steps: int = 8
     """optimizer steps of linear warmup"""
     weight_decay: float = 0.0
+    """AdamW weight decay (decoupled from the gradient)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
 
     # objective: None takes the --algo preset (see losses.PRESETS)
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] | None = None
-    """token: rho_t (GRPO, Dr.GRPO, DAPO); sequence: GSPO's s_i; sequence_token: GSPO-token"""
+    """token: rho_t; sequence: GSPO's s_i; sequence_token: GSPO-token. Unset (None): from --algo, token for grpo,
+    dr_grpo and dapo, sequence for gspo"""
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] | None = None
-    """how per-token losses are summed (GRPO/GSPO, DAPO, Dr.GRPO respectively)"""
+    """how per-token losses are summed. Unset: from --algo, seq-mean-token-mean (grpo, gspo), token-mean (dapo),
+    seq-mean-token-sum-norm (dr_grpo)"""
     epsilon: float | None = None
-    """lower clip range: w >= 1 - epsilon"""
+    """lower clip range: w >= 1 - epsilon. Unset: from --algo, 0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo)"""
     epsilon_high: float | None = None
-    """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon)"""
+    """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon). Unset: from --algo, 0.2
+    (grpo, dr_grpo), 0.28 (dapo), 4e-4 (gspo)"""
     beta: float | None = None
-    """weight of the k3 KL to the starting policy (GRPO 0.04, else 0); 0 loads no reference model"""
+    """weight of the k3 KL to the starting policy; 0 loads no reference model. Unset: from --algo, 0.04 (grpo),
+    0 (the others)"""
     scale_rewards: bool | None = None
-    """divide group advantages by the group's reward std (off for Dr.GRPO)"""
+    """divide group advantages by the group's reward std. Unset: from --algo, on except for dr_grpo"""
     dynamic_sampling: bool | None = None
-    """DAPO: re-draw prompts until every group has mixed correctness"""
+    """DAPO: re-draw prompts until every group has mixed correctness. Unset: on for dapo only"""
     max_sampling_rounds: int = 8
     """dynamic sampling gives up with an error after this many rollouts in one step"""
     overlong_weight: float | None = None
-    """weight of DAPO's soft overlong punishment (DAPO 1, else 0)"""
+    """weight of DAPO's soft overlong punishment. Unset: 1 for dapo, 0 for the others"""
     overlong_cache: int = 16
     """L_cache: the punishment ramps from 0 to -1 over the last this-many tokens before max_new_tokens"""
     format_weight: float = 0.1
@@ -125,9 +136,11 @@ class Args:
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
     """default: online when a W&B API key or login exists, else offline; never prompts"""
     wandb_project: str = "grpo-family"
+    """W&B project the run is logged to"""
     wandb_group: str | None = None
     """groups the runs of a sweep"""
     wandb_tags: tuple[str, ...] = ()
+    """W&B tags of the run (sweeps add 'sweep' and the algo)"""
     save_model: bool = True
     """save the final policy with save_pretrained"""
 
@@ -144,6 +157,9 @@ class Args:
     """stop after this many steps in a row whose every update had a non-finite loss or gradient"""
 
 
+# Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
+DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKENS, total_steps=60),
+                    "*": dict(max_new_tokens=64, total_steps=100)}
 OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards")
 
 
@@ -157,6 +173,8 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
         dynamic_sampling=is_dapo if args.dynamic_sampling is None else args.dynamic_sampling,
         overlong_weight=(1.0 if is_dapo else 0.0) if args.overlong_weight is None else args.overlong_weight,
         run_name=args.run_name or f"{args.algo}-s{args.seed}",
+        **{k: v if getattr(args, k) is None else getattr(args, k)
+           for k, v in DATASET_DEFAULTS.get(args.dataset, DATASET_DEFAULTS["*"]).items()},
     )
     return args, LossConfig(**filled)
 
@@ -178,14 +196,19 @@ def load_policy(args: Args, path: Path | None = None):
     dtype = models.pick_dtype(device, args.dtype)
     name = str(path) if path else args.model
     if name == "embedded":
-        name = str(models.warm_start(seed=args.seed))
-    return models.load_model(name, device, dtype)
+        name = str(models.warm_start(seed=args.seed, settings=models.warm_start_settings(args.dataset)))
+    try:
+        return models.load_model(name, device, dtype)
+    except models.ModelError as e:
+        if path is None:
+            raise
+        raise checkpoint.CheckpointError(f"{path} cannot be loaded ({e}); {checkpoint.earlier_hint(path.parent)}")
 
 
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
-    if args.dataset in ("embedded", "embedded-instruct"):
-        return task.default_splits(instruct=args.dataset == "embedded-instruct")
-    if Path(args.dataset).suffix in (".jsonl", ".json") or Path(args.dataset).exists():
+    if args.dataset in ("embedded", "embedded-instruct", "embedded-long"):
+        return task.default_splits(instruct=args.dataset == "embedded-instruct", long=args.dataset == "embedded-long")
+    if Path(args.dataset).suffix in (".jsonl", ".json", ".txt") or Path(args.dataset).exists():
         return task.heldout_split(task.load_jsonl(args.dataset))
     return task.heldout_split(task.load_hub_dataset(args.dataset))
 
@@ -268,10 +291,6 @@ class DynamicSamplingError(RuntimeError):
     """Dynamic sampling could not fill a batch with informative groups."""
 
 
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message says which and what to do."""
-
-
 def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tuple[Batch, dict]:
     """P groups of G completions. With dynamic sampling (DAPO), groups whose correctness is all 0 or all 1 are
     dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw correctness."""
@@ -344,19 +363,6 @@ def logprobs_of(policy, ro: rollout.Rollout, rows: torch.Tensor, args: Args, wit
                                        ro.completion_ids.shape[1], args.temperature, with_entropy)
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA raises torch.OutOfMemoryError; MPS and the CPU allocator a RuntimeError that says so."""
-    text = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
-
-
-def free_cached_memory() -> None:
-    """Hand the allocator's cached blocks back after an out-of-memory error (CUDA keeps them otherwise)."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # --micro-batch-size 0 sizes micro-batches to the machine: a whole minibatch per forward/backward, halved after each
 # out-of-memory error; the size that fits is remembered for the rest of the process (per minibatch size).
 AUTO_MICRO_BATCH: dict[int, int] = {}
@@ -409,10 +415,10 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                     total, scored = accumulate(mb, micro)
                     break
                 except RuntimeError as e:
-                    if not is_out_of_memory(e) or args.micro_batch_size or micro == 1:
+                    if not guards.is_out_of_memory(e) or args.micro_batch_size or micro == 1:
                         raise
                     optimizer.zero_grad(set_to_none=True)  # drop the partial gradient and retry the step smaller
-                    free_cached_memory()
+                    guards.free_cached_memory()
                     micro = AUTO_MICRO_BATCH[mb_size] = micro // 2
                     print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
             seen += scored
@@ -488,28 +494,15 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, chunk:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def wandb_mode(requested: str | None) -> str:
-    """online only when credentials exist; never an interactive login prompt."""
-    if requested:
-        return requested
-    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
-        return os.environ["WANDB_MODE"]
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    has_login = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-    return "online" if os.environ.get("WANDB_API_KEY") or has_login else "offline"
-
-
 class Logger:
     """One metrics.jsonl per run (the sweep report reads it) and wandb with the same keys."""
 
     def __init__(self, args: Args, run_dir: Path, wandb_id: str | None = None):
-        import wandb
-
         self.file = (run_dir / "metrics.jsonl").open("a")
-        self.run = wandb.init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
-                              tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
-                              mode=wandb_mode(args.wandb_mode), id=wandb_id, resume="allow" if wandb_id else None,
-                              settings=wandb.Settings(console="off", silent=True))
+        self.run = guards.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
+                                     tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
+                                     mode=guards.wandb_mode(args.wandb_mode), id=wandb_id,
+                                     resume="allow" if wandb_id else None)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
@@ -534,58 +527,6 @@ def console_line(step: int, total: int, m: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-CHECKS = [  # (is the value wrong?, message): checked before any work is done
-    (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
-                                      "advantage compares completions of the same prompt"),
-    (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
-    (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
-    (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
-    (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
-    (lambda a: not a.lr > 0, "--lr must be > 0 (got {lr}); the default is 5e-5"),
-    (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
-    (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
-    (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
-    (lambda a: not 0 < a.epsilon < 1, "--epsilon must be in (0, 1) (got {epsilon}); GRPO uses 0.2, GSPO 3e-4"),
-    (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
-    (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
-    (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
-    (lambda a: a.num_minibatches < 1 or (a.num_prompts * a.num_generations) % a.num_minibatches,
-     "--num-minibatches {num_minibatches} must divide the rollout's {num_prompts}x{num_generations} rows"),
-    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "
-                                       "them to the machine"),
-    (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
-    (lambda a: a.overlong_weight and not 0 < a.overlong_cache <= a.max_new_tokens,
-     "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
-    (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
-    (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
-    (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
-    (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
-    (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
-]
-
-
-def validate(args: Args) -> None:
-    for wrong, message in CHECKS:
-        if wrong(args):
-            raise ConfigError(message.format(**asdict(args)))
-    try:
-        from transformers.trainer_utils import SchedulerType
-        SchedulerType(args.lr_scheduler)
-    except ValueError:
-        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} is not a transformers scheduler; "
-                          "use linear, cosine, constant or constant_with_warmup")
-
-
-def check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--output-dir {folder} is not writable ({e.strerror}); pass a folder you can write to")
-
-
 def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_new_tokens: int) -> None:
     context = getattr(policy.config, "max_position_embeddings", None)
     if not context:
@@ -599,114 +540,73 @@ def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_ne
                           "Shorten or drop such prompts, or lower --max-new-tokens")
 
 
-class NonFiniteError(RuntimeError):
-    """Too many updates in a row had a non-finite loss or gradient."""
-
-
-class OutOfMemory(RuntimeError):
-    """The device ran out of memory even at one row per forward/backward, or while generating."""
-
-
-def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
-    """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
-    the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
-    free_cached_memory()
-    if unchanged:
-        where = f"saved {save_start()}"
-    else:
-        last = checkpoint.all_checkpoints(run_dir / "checkpoints")
-        where = f"latest checkpoint: {last[-1] if last else 'none (use --save-every)'}"
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else "no details"
-    return OutOfMemory(f"out of memory in step {step} ({reason[:120]}); {where}. Set --micro-batch-size and "
-                       f"{resume_hint}, or start a new run with fewer --num-prompts/--num-generations/--max-new-tokens")
-
-
-class GracefulStop:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits 0. A second SIGINT aborts."""
-
-    def __init__(self):
-        self.signal = None
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 def train(args: Args) -> dict:
     args, cfg = resolve(args)
-    validate(args)
     run_dir = Path(args.output_dir) / args.run_name
-    check_writable(Path(args.output_dir))
+    guards.validate(args)  # every flag, before anything is loaded or written
+    guards.check_writable(Path(args.output_dir))
+    guards.check_run_folder(run_dir, args.resume, args.overwrite)
     resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
     state = checkpoint.load_state(resume_from) if resume_from else None
     if state:
         for change in checkpoint.compare_configs(state["config"], asdict(args)):
             print(f"resume: allowed change {change}")
-    elif args.resume == "auto":
-        print(f"resume auto: no checkpoint under {run_dir}, starting from scratch")
-    if not state and (run_dir / "metrics.jsonl").exists() and not args.overwrite:
-        raise ConfigError(f"{run_dir} already holds a run; --resume auto continues it, --overwrite replaces it, "
-                          "--run-name NAME starts another")
 
-    # Everything that can fail on bad input is loaded before anything is written.
-    train_set, test_set = load_data(args)
-    test_set = test_set[: args.eval_size or None]
-    policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
-    check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens)
-    ref_policy = None
-    if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
-        start = load_policy(args)[0] if state else copy.deepcopy(policy)
-        ref_policy = start.eval().requires_grad_(False)
-    if args.overwrite and not state:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+    # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
+    with guards.Startup(), guards.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
+        # Everything that can fail on bad input is loaded before anything is written.
+        train_set, test_set = load_data(args)
+        test_set = test_set[: args.eval_size or None]
+        policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
+        check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens)
+        ref_policy = None
+        if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
+            start = load_policy(args)[0] if state else copy.deepcopy(policy)
+            ref_policy = start.eval().requires_grad_(False)
+        folder.create()
+        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
 
-    seed_everything(args.seed)  # after loading: a warm start built just now must not shift the RNG streams
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=optimizer_steps)
-    stream = PromptStream(train_set, args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    first_step = 1
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        checkpoint.restore_rng(state["rng"], gen)
-        stream.cursor, first_step = state["cursor"], state["step"] + 1
-        keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
-        print(f"resumed from {resume_from} at step {state['step']}")
-    logger = Logger(args, run_dir, wandb_id=state["wandb_id"] if state else None)
+        seed_everything(args.seed)  # after loading: a warm start built just now must not shift the RNG streams
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
+        scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                  num_training_steps=optimizer_steps)
+        stream = PromptStream(train_set, args.seed)
+        gen = torch.Generator().manual_seed(args.seed)
+        first_step, minutes_before = 1, 0.0
+        if state:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            checkpoint.restore_rng(state["rng"], gen)
+            stream.cursor, first_step = state["cursor"], state["step"] + 1
+            minutes_before = state.get("minutes", 0.0)
+            keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
+            print(f"resumed from {resume_from} at step {state['step']}")
+        logger = folder.logger = Logger(args, run_dir, wandb_id=state["wandb_id"] if state else None)
+        if is_on_policy(args):
+            print("fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward "
+                  "pass and nothing clips; use --num-minibatches > 1 to see the ratios move")
+        else:
+            print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
+                                else "recomputed by one forward pass over each rollout before its first update"))
+        print(f"{args.algo}: {cfg}")
+        policy.train()
+        if state:
+            before = state["before"]
+        else:
+            before = evaluate(policy, tokenizer, test_set, args)
+            logger.log(before, step=0)
+        print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
 
     def save(step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
         return checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
             "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "rng": rng or checkpoint.rng_state(gen), "wandb_id": logger.run.id, "before": before,
+            "minutes": minutes_before + (time.time() - start) / 60,
         }, args.keep_checkpoints)
 
-    if is_on_policy(args):
-        print("fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward pass "
-              "and nothing clips; use --num-minibatches > 1 to see the ratios move")
-    else:
-        print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
-                            else "recomputed by one forward pass over each rollout before its first update"))
-    print(f"{args.algo}: {cfg}")
-    policy.train()
-    if state:
-        before = state["before"]
-    else:
-        before = evaluate(policy, tokenizer, test_set, args)
-        logger.log(before, step=0)
-    print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
-    stop, start, streak, metrics = GracefulStop(), time.time(), 0, before
+    stop, start, streak, metrics = guards.GracefulStop(), time.time(), 0, before
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
     try:
         for step in range(first_step, args.total_steps + 1):
@@ -716,13 +616,15 @@ def train(args: Args) -> dict:
                 _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen)
             except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
                 path = save(step - 1, rng_at_start, cursor_at_start)
-                raise DynamicSamplingError(f"{e}. Saved {path}; {resume_hint}")
+                raise DynamicSamplingError(f"{e}. Saved {path}: {resume_hint} and a higher --max-sampling-rounds, "
+                                           "or start again with --overwrite and more --num-generations or "
+                                           "--no-dynamic-sampling")
             except RuntimeError as e:
-                if not is_out_of_memory(e):
+                if not guards.is_out_of_memory(e):
                     raise
-                raise out_of_memory(e, step, scheduler.last_epoch == updates_at_start,
-                                    lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
-            metrics["perf/elapsed_min"] = (time.time() - start) / 60
+                raise guards.out_of_memory(e, step, scheduler.last_epoch == updates_at_start,
+                                           lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
+            metrics["perf/elapsed_min"] = minutes_before + (time.time() - start) / 60
             if step % args.eval_every == 0 or step == args.total_steps:
                 metrics.update(evaluate(policy, tokenizer, test_set, args))
             logger.log(metrics, step=step)
@@ -730,11 +632,10 @@ def train(args: Args) -> dict:
             all_skipped = metrics["losses/skipped_updates"] == args.num_minibatches * args.num_epochs
             streak = streak + 1 if all_skipped else 0
             if streak >= args.max_nonfinite_steps:
-                last = checkpoint.all_checkpoints(run_dir / "checkpoints")
-                raise NonFiniteError(
+                raise guards.NonFiniteError(
                     f"{streak} steps in a row had only non-finite losses or gradients (last finite step: "
-                    f"{step - streak}); latest checkpoint: {last[-1] if last else 'none'}. Lower --lr or check the "
-                    "rewards, then resume from it")
+                    f"{step - streak}); a resume would repeat them. Lower --lr or check the reward weights, then start "
+                    "again with --overwrite (or another --run-name)")
             if (args.save_every and step % args.save_every == 0) or stop.signal:
                 path = save(step)
             if stop.signal:
@@ -746,15 +647,16 @@ def train(args: Args) -> dict:
         raise
     finally:
         stop.restore()
-    minutes = (time.time() - start) / 60
-    summary = {"algo": args.algo, "seed": args.seed, "accuracy_before": before["eval/accuracy"],
-               "accuracy_after": metrics["eval/accuracy"], "rl_minutes": minutes}
+    minutes = minutes_before + (time.time() - start) / 60
+    summary = {"algo": args.algo, "seed": args.seed, "steps": args.total_steps,
+               "accuracy_before": before["eval/accuracy"], "accuracy_after": metrics["eval/accuracy"],
+               "rl_minutes": minutes}
     print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.save_model:
         policy.save_pretrained(run_dir / "final")
         tokenizer.save_pretrained(run_dir / "final")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: it marks the run finished
     logger.finish()
     return summary
 
@@ -767,7 +669,7 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
 
 
 USER_ERRORS = (ConfigError, task.TaskError, models.ModelError, checkpoint.CheckpointError, DynamicSamplingError,
-               NonFiniteError, OutOfMemory)
+               guards.NonFiniteError, guards.OutOfMemory, guards.Interrupted)
 
 
 def main(argv: list[str] | None = None) -> None:

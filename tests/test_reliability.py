@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import checkpoint
+import guards
 import losses
 import rewards
 import train
@@ -43,7 +44,7 @@ FLAG_CASES = [
     (["--total-steps", "0"], "--total-steps must be at least 1"),
     (["--lr", "0"], "--lr must be > 0"),
     (["--lr", "-1e-4"], "--lr must be > 0"),
-    (["--lr", "nan"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number"),
     (["--epsilon", "0"], "--epsilon must be in (0, 1)"),
     (["--epsilon", "1.5"], "--epsilon must be in (0, 1)"),
     (["--epsilon-high", "-0.1"], "--epsilon-high must be >= 0"),
@@ -61,7 +62,7 @@ FLAG_CASES = [
     (["--eval-every", "0"], "--eval-every must be at least 1"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
-    (["--lr-scheduler", "sometimes"], "is not a transformers scheduler"),
+    (["--lr-scheduler", "sometimes"], "cannot be used here"),
     (["--output-dir", "/etc/hostname/runs"], "is not writable"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--model", "./missing.gguf"], "does not exist"),
@@ -93,10 +94,10 @@ def write(path: Path, text: str) -> str:
 def test_dataset_errors(tmp_path, capsys, tiny_policy_dir):
     base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out")] + SMALL
     cases = [
-        (write(tmp_path / "empty.jsonl", "\n\n"), "has no rows"),
+        (write(tmp_path / "empty.jsonl", "\n\n"), "has 0 row(s)"),
         (write(tmp_path / "bad.jsonl", '{"prompt": "1 mod 3 =", "answer": "1"}\n{"prompt": oops}\n'), "bad.jsonl:2: not valid JSON"),
         (write(tmp_path / "fields.jsonl", '{"prompt": "1 mod 3 ="}\n'), "needs both \"prompt\" and \"answer\""),
-        (write(tmp_path / "list.jsonl", '[1, 2]\n'), "list.jsonl:1: a row needs both"),
+        (write(tmp_path / "list.jsonl", '[1, 2]\n'), "list.jsonl:1: a JSON array"),
         (write(tmp_path / "long.jsonl", '{"prompt": "%s", "answer": "1"}\n{"prompt": "1 mod 3 =", "answer": "1"}\n'
                % ("9" * 200)), "exceeds the model's context of 128"),
     ]
@@ -129,7 +130,7 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys, tiny_policy_dir):
     train.main(argv)
     before = (tmp_path / "gspo-s0" / "metrics.jsonl").read_text()
     code, err = cli(argv, capsys)
-    assert code == 2 and "already holds a run" in err
+    assert code == 2 and "is a finished run" in err
     assert (tmp_path / "gspo-s0" / "metrics.jsonl").read_text() == before
     train.main(argv + ["--overwrite"])  # explicitly asked: allowed
 
@@ -146,12 +147,12 @@ def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, rand
 
 
 def test_out_of_memory_is_recognised_on_every_device():
-    assert train.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert train.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 8.00 GB)"))
-    assert train.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+    assert guards.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert guards.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 8.00 GB)"))
+    assert guards.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
                                                 "can't allocate memory: you tried to allocate 80000000000000 bytes"))
-    assert not train.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x2)"))
-    assert not train.is_out_of_memory(ValueError("out of memory"))
+    assert not guards.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x2)"))
+    assert not guards.is_out_of_memory(ValueError("out of memory"))
 
 
 def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, capsys, tiny_policy_dir, monkeypatch):
@@ -193,7 +194,8 @@ def metrics_without_timing(run_dir: Path) -> list[dict]:
 def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, tiny_policy_dir):
     base = ["--model", str(tiny_policy_dir), "--save-every", "2", "--algo", "grpo"] + SMALL
     train.main(base + ["--output-dir", str(tmp_path / "a"), "--total-steps", "4"])
-    train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "2"])  # stops at 2, like a kill
+    train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "2"])
+    (tmp_path / "b" / "grpo-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint
     out = capsys.readouterr().out
     train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "4", "--resume", "auto"])
     out = capsys.readouterr().out
@@ -206,10 +208,10 @@ def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, 
 
     ckpt = b / "checkpoints" / "step-000002"
     code, err = cli(base + ["--output-dir", str(tmp_path / "b"), "--resume", str(ckpt), "--algo", "gspo",
-                            "--run-name", "grpo-s0"], capsys)
+                            "--run-name", "other"], capsys)
     assert code == 2 and "cannot resume" in err and "algo: 'grpo' -> 'gspo'" in err
     code, err = cli(base + ["--output-dir", str(tmp_path / "b"), "--resume", str(ckpt), "--num-generations", "2",
-                            "--num-minibatches", "2"], capsys)
+                            "--num-minibatches", "2", "--run-name", "other"], capsys)
     assert code == 2 and "num_generations: 4 -> 2" in err
 
 
@@ -217,6 +219,7 @@ def test_truncated_and_corrupt_checkpoints_are_refused(tmp_path, capsys, tiny_po
     base = ["--model", str(tiny_policy_dir), "--save-every", "1", "--keep-checkpoints", "3",
             "--output-dir", str(tmp_path)] + SMALL
     train.main(base + ["--total-steps", "2"])
+    (tmp_path / "gspo-s0" / "summary.json").unlink()  # as if killed after its last checkpoint
     ckpts = checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
     state = ckpts[-1] / "state.pt"
     state.write_bytes(state.read_bytes()[:200])  # truncated

@@ -14,7 +14,7 @@ def run_sweep(tmp_path, model_dir):
     cmd = [sys.executable, "sweep.py", "--algos", "gspo", "grpo", "--seeds", "0", "--parallel", "2",
            "--name", "micro", "--output-dir", str(tmp_path), "--model", str(model_dir),
            "--total-steps", "3", "--eval-every", "1", "--eval-size", "8", "--num-prompts", "4",
-           "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2", "--lr", "1e-3",
+           "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2", "--set", "lr=1e-3,5e-4",
            "--wandb-mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -23,12 +23,14 @@ def run_sweep(tmp_path, model_dir):
 
 def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     out = run_sweep(tmp_path, tiny_policy_dir)
-    assert "gspo-s0: done" in out and "grpo-s0: done" in out
+    assert "gspo-lr1e-3-s0: done" in out and "grpo-lr5e-4-s0: done" in out
     report = tmp_path / "micro" / "report"
     for name in ("summary.md", "summary.csv", "accuracy.png", "length_buckets.png", "clip.png", "lengths.png"):
         assert (report / name).is_file() and (report / name).stat().st_size > 0, name
     rows = list(csv.DictReader((report / "summary.csv").open()))
-    assert sorted(r["algo"] for r in rows) == ["grpo", "gspo"]
+    # the swept lr keeps its own row per algo: the axis is not averaged away
+    assert sorted((r["algo"], r["setting"]) for r in rows) == [("grpo", "lr=1e-3"), ("grpo", "lr=5e-4"),
+                                                              ("gspo", "lr=1e-3"), ("gspo", "lr=5e-4")]
     assert all(0 <= float(r["accuracy_after_mean"]) <= 1 for r in rows)
 
     runs = sweep.load_runs(tmp_path / "micro" / "runs")
@@ -37,9 +39,9 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     assert all(n > 0 for n in points.values()), points
 
     # an interrupted run (no summary.json) is redone; a finished one is skipped
-    (tmp_path / "micro" / "runs" / "grpo-s0" / "summary.json").unlink()
+    (tmp_path / "micro" / "runs" / "grpo-lr1e-3-s0" / "summary.json").unlink()
     out = run_sweep(tmp_path, tiny_policy_dir)
-    assert "gspo-s0: skipped (finished)" in out and "grpo-s0: done" in out
+    assert "gspo-lr1e-3-s0: skipped (finished)" in out and "grpo-lr1e-3-s0: done" in out
 
 
 def test_grid_names_and_overrides():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import guards
 import train
 
 SMALL = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, total_steps=2,
@@ -109,7 +110,7 @@ class FakePolicy:
     ({"num_minibatches": 1}, FakePolicy(100, torch.float32), False),  # on-policy: pi_old is never needed
 ])
 def test_where_pi_old_comes_from(flags, policy, expected):
-    assert train.old_from_sampler(policy, train.Args(**flags)) is expected
+    assert train.old_from_sampler(policy, train.resolve(train.Args(**flags))[0]) is expected
 
 
 def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset):
@@ -165,7 +166,7 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert train.wandb_mode(None) == "offline"
+    assert guards.wandb_mode(None) == "offline"
     run(tmp_path, tiny_policy_dir, algo="gspo", wandb_mode=None, save_model=False)
     files = glob.glob(str(tmp_path / "gspo-s0" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1

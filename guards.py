@@ -1,0 +1,349 @@
+"""Guards: what stands between bad input (or a bad moment) and a lost run. train.py calls these; none holds RL.
+
+    validate(args)          every flag, before anything is loaded or written: one ConfigError line each
+    check_run_folder(...)   a finished run is never replaced; an unfinished one is resumed or replaced on request
+    Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
+    out_of_memory(...)      CUDA, MPS and CPU allocator errors, and the one-line message that names what was saved
+    reachable(...)          the hub and wandb are asked for only when they answer within seconds
+
+Every error a user can cause is one of USER_ERRORS: train.main prints it as one `error: ...` line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import urllib.parse
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+import checkpoint
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message says which and what to do."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory even at one row per forward/backward, or while generating."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM before the first step: nothing was kept."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------------------------------
+
+CHECKS = [  # (is the value wrong?, message): checked before any work is done
+    (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
+                                      "advantage compares completions of the same prompt"),
+    (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
+    (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
+    (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
+    (lambda a: not a.lr > 0, "--lr must be > 0 (got {lr}); the default is 5e-5"),
+    (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
+    (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
+    (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
+    (lambda a: not 0 < a.epsilon < 1, "--epsilon must be in (0, 1) (got {epsilon}); GRPO uses 0.2, GSPO 3e-4"),
+    (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
+    (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
+    (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
+    (lambda a: a.num_minibatches < 1 or (a.num_prompts * a.num_generations) % a.num_minibatches,
+     "--num-minibatches {num_minibatches} must divide the rollout's {num_prompts}x{num_generations} rows"),
+    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "
+                                       "them to the machine"),
+    (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
+    (lambda a: a.overlong_weight and not 0 < a.overlong_cache <= a.max_new_tokens,
+     "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
+    (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
+    (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
+    (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
+    (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
+    (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
+    (lambda a: not a.output_dir.strip(), "--output-dir must name a folder (got {output_dir!r}); the default is runs"),
+    (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
+    (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
+]
+
+
+def working_schedulers() -> list[str]:
+    """The transformers scheduler names the loop can drive: built from (warmup, total) steps alone and stepped
+    without a metric (reduce_lr_on_plateau, cosine_with_min_lr, warmup_stable_decay, ... need more)."""
+    from transformers import get_scheduler
+    from transformers.trainer_utils import SchedulerType
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    names = []
+    for kind in SchedulerType:
+        try:
+            scheduler = get_scheduler(kind.value, opt, num_warmup_steps=1, num_training_steps=4)
+            opt.step()  # no parameter has a gradient: a no-op, in the order torch expects
+            scheduler.step()
+            names.append(kind.value)
+        except (TypeError, ValueError):
+            pass
+    return names
+
+
+def validate(args) -> None:
+    """Every flag on its own and against the others; the first wrong one is a ConfigError."""
+    for f in fields(args):  # no inf or nan anywhere: --lr inf, --temperature inf, --format-weight nan, ...
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+    for wrong, message in CHECKS:
+        if wrong(args):
+            raise ConfigError(message.format(**asdict(args)))
+    if args.lr_scheduler not in (names := working_schedulers()):
+        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
+    name = args.run_name
+    if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
+        raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
+    check_device(args.device)
+    check_wandb_login(args.wandb_mode)
+
+
+def check_device(name: str) -> None:
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this torch has no usable CUDA device (torch {torch.__version__}); "
+                          "use --device auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available on this machine; use --device auto or cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device {name}: only cpu, cuda and mps are supported; use --device auto")
+
+
+def check_writable(folder: Path) -> None:
+    """The nearest existing ancestor of `folder` must be a writable directory; nothing is created here."""
+    probe = folder.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-dir {folder} is not writable ({probe} is "
+                          f"{'not a folder' if not probe.is_dir() else 'read-only'}); pass a folder you can write to")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# wandb and the hub: asked only when they answer, never a prompt
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the URL's host opens within `timeout` seconds."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def wandb_has_login() -> bool:
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+
+
+def wandb_mode(requested: str | None) -> str:
+    """online only when credentials exist; never an interactive login prompt."""
+    if requested:
+        return requested
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb_has_login() else "offline"
+
+
+def check_wandb_login(requested: str | None) -> None:
+    if wandb_mode(requested) == "online" and not wandb_has_login():
+        raise ConfigError("wandb online needs a login (`wandb login`, or WANDB_API_KEY); use --wandb-mode offline "
+                          "(sync later with `wandb sync`) or disabled")
+
+
+def wandb_init(**kwargs):
+    """wandb.init that cannot hang or prompt: online falls back to offline, with one warning line, when the server
+    does not answer within seconds or refuses the login."""
+    import wandb
+
+    settings = wandb.Settings(console="off", silent=True, init_timeout=30)
+    if kwargs["mode"] == "online":
+        base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        if not reachable(base):
+            print(f"warning: wandb server {base} did not answer within 3 s; logging offline instead (wandb sync later)")
+            kwargs["mode"] = "offline"
+        else:
+            try:
+                return wandb.init(settings=settings, **kwargs)
+            except Exception as e:  # bad key, server error: the run matters more than the online dashboard
+                print(f"warning: wandb online failed ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}); "
+                      "logging offline instead")
+                kwargs["mode"] = "offline"
+    return wandb.init(settings=settings, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run folder: never replace a finished run, never leave one that its own advice cannot get out of
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def finished_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None if not (run_dir / "summary.json").exists() else {}
+
+
+def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse what would replace a finished run or silently mix two runs; each message names a way out that works.
+
+    finished (summary.json)      kept unless --overwrite; to train further, start a new run from its final model
+    unfinished, checkpoints      --resume auto continues it (or --overwrite, or another --run-name)
+    unfinished, no checkpoint    nothing to resume: --overwrite starts it again (or another --run-name)
+    """
+    outputs = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "final")
+    if overwrite or not any((run_dir / name).exists() for name in outputs):
+        return  # no run here (a launcher's own files, such as sweep.py's console.log, do not count)
+    summary = finished_summary(run_dir)
+    if summary is not None:
+        n = summary.get("steps", "?")
+        result = (f"{n} step{'' if n == 1 else 's'}, held-out accuracy {summary.get('accuracy_before', float('nan')):.3f} "
+                  f"-> {summary.get('accuracy_after', float('nan')):.3f}") if summary else "summary unreadable"
+        ways = []
+        ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
+        if ckpts:
+            ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it exactly")
+        if (run_dir / "final" / "config.json").is_file():
+            ways.append(f"--model {run_dir / 'final'} --run-name NEW_NAME starts a new run from its final policy")
+        further = ("To train further, in a new folder: " + ", or ".join(ways)) if ways else \
+            "Start another run with --run-name NEW_NAME"
+        raise ConfigError(f"{run_dir} is a finished run ({result}); its results are kept. {further}; --overwrite "
+                          "replaces it")
+    ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
+    if ckpts and not resume:
+        raise ConfigError(f"{run_dir} holds an unfinished run (latest checkpoint {ckpts[-1].name}); --resume auto "
+                          "continues it, --overwrite replaces it, --run-name NAME starts another")
+    if not ckpts and (resume == "auto" or not resume):
+        raise ConfigError(f"{run_dir} holds an unfinished run with no checkpoint to resume (it stopped before one "
+                          "was saved); --overwrite starts it again, --run-name NAME starts another")
+
+
+class NewRunFolder:
+    """The run folder's life during start-up: `create()` makes it (replacing an old one when asked); if start-up
+    then fails or is interrupted, the folders this call created are removed again, so the same command can rerun."""
+
+    def __init__(self, run_dir: Path, replace: bool):
+        self.run_dir, self.replace, self.created, self.logger = run_dir, replace, None, None
+
+    def create(self) -> None:
+        if self.replace:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        top = self.run_dir
+        while not top.parent.exists():  # the outermost folder that this call creates
+            top = top.parent
+        self.created = None if top.exists() else top
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            if self.logger is not None:
+                self.logger.finish()
+            if self.created is not None:
+                shutil.rmtree(self.created, ignore_errors=True)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Startup:
+    """During start-up (loading, the first evaluation) Ctrl-C and SIGTERM raise Interrupted; train.py then removes
+    the run folder it created, so a rerun of the same command starts cleanly."""
+
+    def __enter__(self):
+        def handler(signum, frame):
+            raise Interrupted(f"interrupted by {signal.Signals(signum).name} during start-up, before step 1; "
+                              "nothing was kept: run the same command again")
+
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        return False
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits 0. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Out of memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; MPS and the CPU allocator a RuntimeError that says so."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
+def free_cached_memory() -> None:
+    """Hand the allocator's cached blocks back after an out-of-memory error (CUDA keeps them otherwise)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
+    """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
+    the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
+    free_cached_memory()
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else "no details"
+    last = None if unchanged else checkpoint.all_checkpoints(run_dir / "checkpoints")
+    if unchanged or last:
+        where = f"saved {save_start()}" if unchanged else f"latest checkpoint: {last[-1]}"
+        way_out = f"Set --micro-batch-size and {resume_hint}"
+    else:
+        where = "no checkpoint to resume (--save-every N keeps some)"
+        way_out = "Start again with --overwrite and a smaller --micro-batch-size"
+    return OutOfMemory(f"out of memory in step {step} ({reason[:120]}); {where}. {way_out}, or start a new run "
+                       "with fewer --num-prompts/--num-generations/--max-new-tokens")

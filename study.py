@@ -1,0 +1,499 @@
+"""The study: the regimes where the four objectives part ways, each paper's claim tested on long answers.
+
+    python study.py                      # every cell below, 3 seeds, 2 runs at a time; finished runs are skipped
+    python study.py --cells base eh02    # some cells only
+    python study.py --report-only        # rebuild docs/study/ from the finished runs
+
+Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
+completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps. The cells:
+
+    base      the four paper presets, lr 5e-5, 4 minibatches per rollout    claims 1, 2, 4; the baseline of 3 and 5
+    eh02      dapo with --epsilon-high 0.2 (clip-higher off)                claim 5
+    stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
+    stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
+
+The rule for every comparison: two cells differ only when their mean ± std intervals over seeds do not overlap.
+The report (verdict table, one figure per claim, CSV of every run) goes to docs/study/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import sweep
+from sweep import ALGO_COLORS, ALGOS, series
+
+STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
+# 8 prompts x 8 completions per rollout (the default run uses 16): 33 runs fit the 150-minute budget on 2 cores
+COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
+          "--num-prompts", str(PROMPTS)]
+# name -> (algos, overrides every run of the cell gets)
+CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "base": (ALGOS, {}),
+    "eh02": (("dapo",), {"epsilon_high": "0.2"}),
+    "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
+    "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
+}
+KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
+COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
+T_95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}  # two-sided 95% t quantiles by number of seeds (n - 1 dof)
+
+
+@dataclass
+class StudyArgs:
+    cells: tuple[str, ...] = tuple(CELLS)
+    """which cells to run (see the module docstring)"""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    parallel: int = 2
+    """runs at a time; each gets cores/parallel threads"""
+    output_dir: str = "sweeps"
+    """runs go to <output_dir>/study/runs/<cell>-<algo>-s<seed>/"""
+    report_dir: str = "docs/study"
+    report_only: bool = False
+    """skip running, only rebuild the report from finished runs"""
+
+
+def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
+    """Every run of the study as train.py flags (seed-major, so an interrupted study has whole cells early)."""
+    runs = []
+    for seed in seeds:
+        for cell in cells:
+            algos, overrides = CELLS[cell]
+            for algo in algos:
+                flags = {"algo": algo, "seed": str(seed), "run_name": f"{cell}-{algo}-s{seed}"}
+                flags.update({k: KL_SWAP[algo] if v == "__swap__" else v for k, v in overrides.items()})
+                runs.append(flags)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load(runs_dir: Path) -> list[dict]:
+    """Every run folder the study started: finished (summary.json) or stopped by an error (a non-finite stop)."""
+    out = []
+    for flags_file in sorted(runs_dir.glob("*/sweep.json")):
+        d = flags_file.parent
+        if not (d / "metrics.jsonl").is_file():
+            continue
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
+        finished = (d / "summary.json").is_file()
+        log = (d / "console.log").read_text(errors="ignore") if (d / "console.log").is_file() else ""
+        nonfinite = "non-finite" in log and not finished
+        if not finished and not nonfinite:
+            continue  # still running, or interrupted: not a result yet
+        flags = json.loads(flags_file.read_text())
+        out.append({"name": d.name, "cell": d.name.rsplit("-", 2)[0], "algo": flags["algo"],
+                    "seed": int(flags["seed"]), "rows": rows, "nonfinite": nonfinite})
+    return out
+
+
+def cell_runs(runs: list[dict], cell: str, algo: str) -> list[dict]:
+    return [r for r in runs if r["cell"] == cell and r["algo"] == algo]
+
+
+def mean_std(values) -> tuple[float, float]:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    return (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0) if len(v) else (math.nan, math.nan)
+
+
+def differ(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """The study's rule: two means differ when their mean ± std intervals do not overlap."""
+    return a[0] + a[1] < b[0] - b[1] or b[0] + b[1] < a[0] - a[1]
+
+
+def fmt(ms: tuple[float, float], digits: int = 3) -> str:
+    return "n/a" if math.isnan(ms[0]) else f"{ms[0]:.{digits}g} ± {ms[1]:.{digits - 1}g}"
+
+
+def run_mean(run: dict, key: str, first: int = 1, last: int | None = None) -> float:
+    s, y = series({"rows": run["rows"]}, key)
+    keep = (s >= first) & (s <= (last if last is not None else s.max() if len(s) else 0))
+    return float(np.mean(y[keep])) if keep.any() else math.nan
+
+
+def final_accuracy(run: dict) -> float:
+    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
+    return float(acc[-1]) if len(acc) else math.nan
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The claims
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def length_exponent(run: dict, key: str) -> float:
+    """Least-squares slope of log std vs log length over every (step, length quartile) of one run."""
+    xs, ys = [], []
+    for q in range(1, 5):
+        s_len, lens = series({"rows": run["rows"]}, f"lenbucket/q{q}_len")
+        s_std, stds = series({"rows": run["rows"]}, f"lenbucket/q{q}_{key}")
+        by_step = dict(zip(s_std.tolist(), stds.tolist()))
+        for step, length in zip(s_len.tolist(), lens.tolist()):
+            if by_step.get(step, 0) > 0 and length > 0:
+                xs.append(math.log(length))
+                ys.append(math.log(by_step[step]))
+    return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else math.nan
+
+
+def ci95(values) -> tuple[float, float]:
+    """(mean, half-width of the 95% t interval) over seeds."""
+    v = [x for x in values if math.isfinite(x)]
+    if len(v) < 2:
+        return (v[0] if v else math.nan, math.nan)
+    return float(np.mean(v)), T_95.get(len(v), 1.96) * float(np.std(v, ddof=1)) / math.sqrt(len(v))
+
+
+def collapse_step(run: dict) -> int | None:
+    """The first evaluation at which held-out accuracy sits COLLAPSE_DROP below its running peak (or the step of a
+    non-finite stop); None when the run never collapsed."""
+    if run["nonfinite"]:
+        return max(r["step"] for r in run["rows"])
+    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
+    peak = -1.0
+    for step, a in zip(s.tolist(), acc.tolist()):
+        peak = max(peak, a)
+        if a <= peak - COLLAPSE_DROP:
+            return int(step)
+    return None
+
+
+def steps_to(run: dict, threshold: float) -> float:
+    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
+    hit = s[acc >= threshold]
+    return float(hit[0]) if len(hit) else math.nan
+
+
+def length_drift(run: dict, key: str) -> float:
+    """Mean of `key` over the last 10 steps minus over the first 10."""
+    y = series({"rows": run["rows"]}, key)[1]
+    return float(y[-10:].mean() - y[:10].mean()) if len(y) >= 20 else math.nan
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------------------
+
+CELL_STYLES = {"base": "-", "eh02": "--", "stale": ":", "stale-kl": "-."}  # one line style per cell, every figure
+
+
+def style(cell: str, algo: str) -> dict:
+    return {"color": ALGO_COLORS[algo], "linestyle": CELL_STYLES[cell]}
+
+
+def label(cell: str, algo: str, runs: list[dict]) -> str:
+    extra = {"eh02": " ε_high=0.2", "stale-kl": f" β={KL_SWAP.get(algo, '')}"}.get(cell, "")
+    return f"{algo}{extra} [{cell}, {len(runs)} seeds]"
+
+
+def claim_length(runs: list[dict]) -> dict:
+    """Claim 1: exponents of std(Σ_t log ρ_t) and std(log s_i) against length, per algo (base and stale)."""
+    out = {}
+    for cell in ("base", "stale"):
+        for algo in ALGOS:
+            rs = cell_runs(runs, cell, algo)
+            if rs:
+                out[(cell, algo)] = {k: ci95([length_exponent(r, k) for r in rs]) for k in ("std_logsum", "std_log_s")}
+    pooled = [r for r in runs if r["cell"] == "base"]
+    out["pooled"] = {k: ci95([length_exponent(r, k) for r in pooled]) for k in ("std_logsum", "std_log_s")}
+    return out
+
+
+def exponent_verdict(ms: tuple[float, float], predicted: float, sign: int) -> str:
+    """Reproduced when the 95% interval holds the i.i.d. exponent or lies beyond it (faster growth / shrinkage)."""
+    mean, half = ms
+    if math.isnan(mean) or math.isnan(half):
+        return "inconclusive"
+    lo, hi = mean - half, mean + half
+    if lo <= predicted <= hi or (sign > 0 and lo > predicted) or (sign < 0 and hi < predicted):
+        return "reproduced"
+    return "not reproduced"
+
+
+def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
+    """The verdict table's rows, and the numbers behind them."""
+    rows, numbers = [], {}
+    # 1. length and ratio spread
+    ln = claim_length(runs)
+    numbers["length"] = ln
+    grow, shrink = ln["pooled"]["std_logsum"], ln["pooled"]["std_log_s"]
+    per_algo = "; ".join(f"{a} {ln[('base', a)]['std_logsum'][0]:+.2f}/{ln[('base', a)]['std_log_s'][0]:+.2f}"
+                         for a in ALGOS if ("base", a) in ln)
+    v_grow, v_shrink = exponent_verdict(grow, 0.5, +1), exponent_verdict(shrink, -0.5, -1)
+    rows.append({"claim": "1. ratio spread vs length (seed note; GSPO §4)",
+                 "predicted": "std Σ_t log ρ_t ∝ |y|^0.5 (or faster); std log s_i ∝ |y|^-0.5",
+                 "measured": f"exponents (95% CI, base cell, all algos): Σ {grow[0]:+.2f} ± {grow[1]:.2f}, "
+                             f"log s {shrink[0]:+.2f} ± {shrink[1]:.2f}; per algo Σ/log s: {per_algo}",
+                 "verdict": v_grow if v_grow == v_shrink else f"Σ: {v_grow}; log s: {v_shrink}"})
+    # 2. clip fractions
+    clip = {(c, a): mean_std([run_mean(r, "clip/frac") for r in cell_runs(runs, c, a)])
+            for c in ("base", "stale") for a in ALGOS}
+    numbers["clip"] = clip
+    measured, ok = [], []
+    for c in ("base", "stale"):
+        g, t = clip[(c, "gspo")][0], clip[(c, "grpo")][0]
+        if math.isfinite(g) and math.isfinite(t) and t > 0:
+            measured.append(f"{c}: GSPO {g:.3g} of sequences vs GRPO {t:.3g} of tokens ({g / t:.0f}x)")
+            ok.append(g / t >= 30)
+    acc = {(c, a): mean_std([final_accuracy(r) for r in cell_runs(runs, c, a)]) for c in CELLS for a in ALGOS}
+    numbers["accuracy"] = acc
+    start = mean_std([r["rows"][0].get("eval/accuracy") for r in runs if r["rows"]])
+    threshold = round(start[0] + 0.2, 2) if math.isfinite(start[0]) else 0.5
+    reach = {a: mean_std([steps_to(r, threshold) for r in cell_runs(runs, "base", a)]) for a in ALGOS}
+    numbers["steps_to"] = (threshold, reach)
+    learn_ok = not differ(acc[("base", "gspo")], acc[("base", "grpo")]) or acc[("base", "gspo")][0] > acc[("base", "grpo")][0]
+    measured.append(f"final accuracy (base) GSPO {fmt(acc[('base', 'gspo')])} vs GRPO {fmt(acc[('base', 'grpo')])}; "
+                    f"steps to {threshold:g}: GSPO {fmt(reach['gspo'], 2)}, GRPO {fmt(reach['grpo'], 2)}")
+    rows.append({"claim": "2. GSPO clips ~100x more, learns as well (GSPO §5.2)",
+                 "predicted": "clip fraction ratio ~100; GSPO at least as sample-efficient",
+                 "measured": "; ".join(measured),
+                 "verdict": "inconclusive" if not ok else
+                 ("reproduced" if all(ok) and learn_ok else "partly: " + ("clip ratio " if all(ok) else "")
+                  + ("learning" if learn_ok else "") + " reproduced")})
+    # 3. stability under stale ratios and a higher lr
+    coll = {}
+    for c in ("base", "stale", "stale-kl"):
+        for a in ALGOS:
+            rs = cell_runs(runs, c, a)
+            if rs:
+                coll[(c, a)] = (sum(collapse_step(r) is not None for r in rs), len(rs))
+    numbers["collapse"] = coll
+    stale_tok = [coll[("stale", a)] for a in ("grpo", "dr_grpo", "dapo") if ("stale", a) in coll]
+    g = coll.get(("stale", "gspo"))
+    text = ", ".join(f"{a} {coll[('stale', a)][0]}/{coll[('stale', a)][1]}" for a in ALGOS if ("stale", a) in coll)
+    kl = ", ".join(f"{a} β={KL_SWAP[a]} {coll[('stale-kl', a)][0]}/{coll[('stale-kl', a)][1]}"
+                   for a in ("grpo", "gspo") if ("stale-kl", a) in coll)
+    if g is None or not stale_tok:
+        v3 = "inconclusive"
+    elif g[0] == 0 and sum(n >= 2 for n, _ in stale_tok) >= 2:
+        v3 = "reproduced"
+    elif g[0] / g[1] >= np.mean([n / m for n, m in stale_tok]):
+        v3 = "not reproduced"
+    else:
+        v3 = "inconclusive"
+    rows.append({"claim": "3. token-level ratios collapse under stale data; GSPO does not (GSPO headline)",
+                 "predicted": "collapses for GRPO/Dr.GRPO/DAPO, none for GSPO",
+                 "measured": f"collapses in the stale cell (lr 2e-4, 16 minibatches): {text}"
+                             + (f"; KL swapped: {kl}" if kl else ""),
+                 "verdict": v3})
+    # 4. length bias
+    drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
+             for c in ("base", "stale") for a in ("grpo", "dr_grpo")}
+    numbers["len_incorrect_drift"] = drift
+    g, d = drift[("base", "grpo")], drift[("base", "dr_grpo")]
+    v4 = "inconclusive" if math.isnan(g[0]) or math.isnan(d[0]) else \
+        "reproduced" if g[0] > 0 and differ(g, d) and g[0] > d[0] else "not reproduced"
+    rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
+                 "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
+                 "measured": f"incorrect-answer length, last 10 minus first 10 steps (tokens): GRPO {fmt(g, 2)}, "
+                             f"Dr.GRPO {fmt(d, 2)} (base); stale: GRPO {fmt(drift[('stale', 'grpo')], 2)}, "
+                             f"Dr.GRPO {fmt(drift[('stale', 'dr_grpo')], 2)}",
+                 "verdict": v4})
+    # 5. clip-higher and entropy
+    ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=STEPS - 9) for r in cell_runs(runs, c, a)])
+           for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"))}
+    numbers["entropy_last10"] = ent
+    hi, lo = ent[("base", "dapo")], ent[("eh02", "dapo")]
+    v5 = "inconclusive" if math.isnan(hi[0]) or math.isnan(lo[0]) else \
+        "reproduced" if hi[0] > lo[0] and differ(hi, lo) else "not reproduced"
+    rows.append({"claim": "5. clip-higher (ε_high 0.28) keeps entropy higher (DAPO §3.1)",
+                 "predicted": "entropy DAPO > DAPO with ε_high 0.2, and higher accuracy",
+                 "measured": f"entropy (nats/token, last 10 steps): DAPO {fmt(hi)}, ε_high 0.2 {fmt(lo)}, GRPO "
+                             f"{fmt(ent[('base', 'grpo')])}; final accuracy DAPO {fmt(acc[('base', 'dapo')])}, "
+                             f"ε_high 0.2 {fmt(acc[('eh02', 'dapo')])}",
+                 "verdict": v5})
+    return rows, numbers
+
+
+PRECURSORS = ("ratio/token_var", "ratio/seq_logsum_var", "clip/frac", "losses/entropy", "losses/grad_norm")
+
+
+def precursor_rows(runs: list[dict], window: int = EVAL_EVERY) -> list[str]:
+    """Markdown rows: each collapsed run's diagnostics over the `window` steps before its collapse, next to the same
+    steps' mean over the runs of its cell that did not collapse."""
+    lines = []
+    for r in runs:
+        step = collapse_step(r)
+        if step is None:
+            continue
+        calm = [o for o in runs if o["cell"] == r["cell"] and collapse_step(o) is None]
+        cells = []
+        for key in PRECURSORS:
+            mine = run_mean(r, key, first=step - window + 1, last=step)
+            theirs = np.nanmean([run_mean(o, key, first=step - window + 1, last=step) for o in calm]) if calm else math.nan
+            cells.append(f"{mine:.3g} ({theirs:.3g})")
+        lines.append(f"| {r['name']} | {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
+    """One PNG per claim; returns the number of plotted points in each (0 would mean an empty figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    band = sweep.mean_band
+    points = {}
+
+    def each(cells, algos=ALGOS):
+        for c in cells:
+            for a in algos:
+                rs = cell_runs(runs, c, a)
+                if rs:
+                    yield c, a, rs
+
+    # claim 1: bucket std against length, log-log, with the i.i.d. slopes
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c, a, rs in each(("base", "stale")):
+        for ax, key in zip(axes, ("std_logsum", "std_log_s")):
+            pts = sweep.length_bucket_points(rs, key)
+            if pts:
+                x, y = np.array(pts).T
+                ax.loglog(x, y, marker="o", label=label(c, a, rs), **style(c, a))
+    for ax, power, name in ((axes[0], 0.5, "|y|^0.5"), (axes[1], -0.5, "|y|^-0.5")):
+        lines = ax.get_lines()
+        if lines:
+            x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
+            y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
+            ax.loglog(x, y0 * (x / np.exp(np.log(x).mean())) ** power, "k", lw=1, alpha=0.6, label=f"∝ {name} (i.i.d.)")
+        ax.set(xlabel="completion length |y| (tokens, quartile mean)")
+        ax.legend(fontsize=6)
+    axes[0].set(title="std of Σ_t log ρ_t over sequences", ylabel="std (nats), RMS over steps and seeds")
+    axes[1].set(title="std of GSPO's log s_i over sequences")
+    points["claim1_length"] = sweep.save_figure(fig, out / "claim1_length.png")
+
+    # claim 2: clip fractions and learning speed
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c, a, rs in each(("base", "stale")):
+        band(axes[0], rs, "clip/frac", label(c, a, rs), **style(c, a))
+        band(axes[1], rs, "eval/accuracy", label(c, a, rs), marker="o", ms=3, **style(c, a))
+    axes[0].set(title="clip fraction (GSPO: sequences; others: tokens)", xlabel="RL step", ylabel="fraction clipped",
+                yscale="log")
+    axes[1].set(title="held-out greedy accuracy", xlabel="RL step", ylabel="accuracy")
+    axes[0].legend(fontsize=6)
+    points["claim2_clip"] = sweep.save_figure(fig, out / "claim2_clip.png")
+
+    # claim 3: stale regime: accuracy per seed, and what precedes a collapse
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for c, a, rs in each(("stale", "stale-kl")):
+        for i, r in enumerate(rs):
+            s, acc = series({"rows": r["rows"]}, "eval/accuracy")
+            axes[0, 0].plot(s, acc, marker="o", ms=3, lw=1, label=label(c, a, rs) if i == 0 else None, **style(c, a))
+            cs = collapse_step(r)
+            if cs is not None:
+                axes[0, 0].plot([cs], [dict(zip(s.tolist(), acc.tolist())).get(cs, 0)], "kx", ms=8)
+        for ax, key in zip(axes.flat[1:], ("ratio/token_var", "clip/frac", "losses/entropy", "losses/grad_norm",
+                                           "ratio/seq_logsum_var")):
+            band(ax, rs, key, label(c, a, rs), **style(c, a))
+    axes[0, 0].set(title="held-out accuracy, each seed (x: collapse)", xlabel="RL step", ylabel="accuracy")
+    for ax, (title, ylabel, log) in zip(axes.flat[1:], (
+            ("variance of token ratios ρ_t", "var", True), ("clip fraction", "fraction", True),
+            ("entropy of π_old", "nats/token", False), ("gradient norm before clipping", "L2 norm", True),
+            ("variance of Σ_t log ρ_t", "nats²", True))):
+        ax.set(title=title, xlabel="RL step", ylabel=ylabel, yscale="log" if log else "linear")
+    axes[0, 0].legend(fontsize=6)
+    points["claim3_stability"] = sweep.save_figure(fig, out / "claim3_stability.png")
+
+    # claim 4: lengths of correct and incorrect completions, GRPO vs Dr.GRPO
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for c, a, rs in each(("base", "stale"), ("grpo", "dr_grpo")):
+        band(axes[0], rs, "charts/len_incorrect", label(c, a, rs), **style(c, a))
+        band(axes[1], rs, "charts/len_correct", label(c, a, rs), **style(c, a))
+    axes[0].set(title="mean length of incorrect completions", xlabel="RL step", ylabel="tokens")
+    axes[1].set(title="mean length of correct completions", xlabel="RL step")
+    axes[0].legend(fontsize=6)
+    points["claim4_length_bias"] = sweep.save_figure(fig, out / "claim4_length_bias.png")
+
+    # claim 5: entropy with and without clip-higher
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo")):
+        rs = cell_runs(runs, c, a)
+        if rs:
+            band(axes[0], rs, "losses/entropy", label(c, a, rs), **style(c, a))
+            band(axes[1], rs, "eval/accuracy", label(c, a, rs), marker="o", ms=3, **style(c, a))
+    axes[0].set(title="entropy of the sampling policy", xlabel="RL step", ylabel="nats/token")
+    axes[1].set(title="held-out greedy accuracy", xlabel="RL step", ylabel="accuracy")
+    axes[0].legend(fontsize=6)
+    points["claim5_entropy"] = sweep.save_figure(fig, out / "claim5_entropy.png")
+    return points
+
+
+def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> dict[str, int]:
+    out.mkdir(parents=True, exist_ok=True)
+    points = write_figures(runs, out)
+    rows, numbers = verdicts(runs)
+    per_run = [{"run": r["name"], "cell": r["cell"], "algo": r["algo"], "seed": r["seed"],
+                "accuracy_before": r["rows"][0].get("eval/accuracy"), "accuracy_after": final_accuracy(r),
+                "collapse_step": collapse_step(r), "nonfinite_stop": r["nonfinite"],
+                "clip_frac_mean": run_mean(r, "clip/frac"), "token_ratio_var_mean": run_mean(r, "ratio/token_var"),
+                "exp_logsum": length_exponent(r, "std_logsum"), "exp_log_s": length_exponent(r, "std_log_s"),
+                "entropy_last10": run_mean(r, "losses/entropy", first=STEPS - 9),
+                "len_incorrect_drift": length_drift(r, "charts/len_incorrect")} for r in runs]
+    import csv
+
+    with (out / "runs.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(per_run[0]))
+        writer.writeheader()
+        writer.writerows(per_run)
+    cells = sorted({(r["cell"], r["algo"]) for r in runs})
+    lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
+             f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
+             f"each {STEPS} RL steps of {PROMPTS} prompts x 8 completions, answers 20-300 tokens.",
+             "Command: `python study.py`" + (f" ({minutes:.0f} min wall for the runs this invocation made)"
+                                              if minutes else ""), "",
+             "Rule: two cells differ only when their mean ± std (over seeds) intervals do not overlap; exponents are "
+             "least-squares slopes of log std against log length, with 95% t intervals over runs.", "",
+             "| claim | paper's prediction | what we measured | verdict |", "|---|---|---|---|"]
+    lines += [f"| {r['claim']} | {r['predicted']} | {r['measured']} | **{r['verdict']}** |" for r in rows]
+    lines += ["", "## Final held-out accuracy per cell (mean ± std over seeds)", "",
+              "| cell | " + " | ".join(ALGOS) + " |", "|---|" + "---|" * len(ALGOS)]
+    for c in CELLS:
+        vals = [fmt(numbers["accuracy"].get((c, a), (math.nan, math.nan))) for a in ALGOS]
+        coll = [numbers["collapse"].get((c, a)) for a in ALGOS]
+        vals = [v + (f" ({n}/{m} collapsed)" if x and (n := x[0]) and (m := x[1]) else "")
+                for v, x in zip(vals, coll)]
+        lines.append(f"| {c} | " + " | ".join(vals) + " |")
+    collapsed = precursor_rows(runs)
+    if collapsed:
+        lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "
+                      "same steps in the runs of that cell that did not collapse)", "",
+                  "| run | collapse step | " + " | ".join(PRECURSORS) + " |", "|---|---|" + "---|" * len(PRECURSORS)]
+        lines += collapsed
+    lines += [""] + [f"![{name}]({name}.png)" for name in points] + [""]
+    (out / "summary.md").write_text("\n".join(lines))
+    (out / "verdicts.json").write_text(json.dumps(rows, indent=2))
+    return points
+
+
+def main() -> None:
+    import time
+
+    import tyro
+
+    args = tyro.cli(StudyArgs, description=__doc__)
+    unknown = [c for c in args.cells if c not in CELLS]
+    if unknown:
+        raise SystemExit(f"error: unknown cell(s) {unknown}; the cells are {list(CELLS)}")
+    runs_dir = Path(args.output_dir) / "study" / "runs"
+    minutes = None
+    if not args.report_only:
+        start = time.time()
+        sweep.run_grid(grid(args.cells, args.seeds), "study", COMMON, runs_dir, args.parallel)
+        minutes = (time.time() - start) / 60
+    runs = load(runs_dir)
+    if not runs:
+        raise SystemExit(f"error: no finished runs under {runs_dir}; run the study first (without --report-only)")
+    write_report(runs, Path(args.report_dir), minutes)
+    print(f"report: {Path(args.report_dir) / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Bad input, tried as a careless user would, by class. Every case: exit code 2, exactly one `error:` line on
+stderr, no traceback, and the output folder absent or byte-for-byte unchanged. Messages name a way out that works
+(tested by taking it)."""
+
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+import guards
+import train
+
+SMALL = ["--num-prompts", "4", "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2",
+         "--eval-every", "2", "--eval-size", "8", "--lr", "1e-3", "--warmup-steps", "0", "--wandb-mode", "disabled"]
+
+
+def snapshot(folder: Path):
+    """Every file under `folder` with a hash of its bytes; None when the folder does not exist."""
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+def refused(argv, capsys, out: Path, message: str, seconds: float | None = None) -> str:
+    """Run train.main in-process; assert the bad-input contract; return the error line."""
+    before = snapshot(out)
+    start = time.time()
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    elapsed = time.time() - start
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exc.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert message in lines[0], lines[0]
+    assert snapshot(out) == before, "the output folder changed"
+    if seconds is not None:
+        assert elapsed < seconds, f"took {elapsed:.1f} s"
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags: non-finite numbers, names the loop cannot use, devices this torch does not have, empty names
+# ---------------------------------------------------------------------------------------------------------------
+
+FLAGS = [
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--lr", "-inf"], "--lr must be a finite number"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--epsilon", "nan"], "--epsilon must be a finite number"),
+    (["--epsilon-high", "inf"], "--epsilon-high must be a finite number"),
+    (["--beta", "inf"], "--beta must be a finite number"),
+    (["--format-weight", "nan"], "--format-weight must be a finite number"),
+    (["--overlong-weight", "inf"], "--overlong-weight must be a finite number"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--lr-scheduler", "reduce_lr_on_plateau"], "cannot be used here; use one of linear, cosine"),
+    (["--lr-scheduler", "cosine_with_min_lr"], "cannot be used here"),
+    (["--lr-scheduler", "warmup_stable_decay"], "cannot be used here"),
+    (["--lr-scheduler", "cosine_warmup_with_min_lr"], "cannot be used here"),
+    (["--lr-scheduler", "nonsense"], "cannot be used here"),
+    (["--device", "foo"], "--device 'foo' is not a device"),
+    (["--device", "cuda"], "--device cuda: this torch has no usable CUDA device"),
+    (["--device", "cuda:3"], "--device cuda:3"),
+    (["--device", "mps"], "--device mps: MPS is not available"),
+    (["--device", "meta"], "only cpu, cuda and mps are supported"),
+    (["--output-dir", ""], "--output-dir must name a folder"),
+    (["--output-dir", "   "], "--output-dir must name a folder"),
+    (["--run-name", "a/b"], "--run-name 'a/b' must be a plain folder name"),
+    (["--run-name", ".."], "must be a plain folder name"),
+    (["--run-name", " "], "must be a plain folder name"),
+    (["--model", ""], "--model must not be empty"),
+    (["--dataset", ""], "--dataset must not be empty"),
+    (["--wandb-mode", "online"], "wandb online needs a login"),
+    (["--total-steps", "-5"], "--total-steps must be at least 1"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
+    (["--num-prompts", "-3"], "--num-prompts must be at least 1"),
+]
+
+
+@pytest.fixture
+def no_wandb_login(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+@pytest.mark.parametrize("argv,message", FLAGS, ids=[" ".join(a) or "empty" for a, _ in FLAGS])
+def test_bad_flags(tmp_path, capsys, tiny_policy_dir, no_wandb_login, argv, message):
+    out = tmp_path / "out"
+    base = ["--model", str(tiny_policy_dir), "--output-dir", str(out)] + SMALL
+    argv = base + argv if "--wandb-mode" not in argv else base[:-2] + argv
+    refused(argv, capsys, out, message)
+    assert not out.exists()  # not even the output folder is created before the checks
+
+
+def test_wandb_online_from_the_environment_without_login(tmp_path, capsys, tiny_policy_dir, no_wandb_login,
+                                                        monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out")] + SMALL[:-2], capsys,
+            tmp_path / "out", "wandb online needs a login")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Datasets: wrong kinds of file, wrong values, too few rows
+# ---------------------------------------------------------------------------------------------------------------
+
+GOOD_ROW = '{"prompt": "7 mod 3 =", "answer": "1"}\n'
+DATASETS = [
+    ("folder", None, "is a folder; pass a JSONL file"),
+    ("latin1.jsonl", '{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"), "is not UTF-8 text"),
+    ("binary.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not UTF-8 text"),
+    ("array.jsonl", '[{"prompt": "7 mod 3 =", "answer": "1"}, {"prompt": "8 mod 3 =", "answer": "2"}]\n',
+     "a JSON array; the file must hold one"),
+    ("pretty.json", '{\n  "prompt": "7 mod 3 =",\n  "answer": "1"\n}\n', "a JSON array or pretty-printed JSON?"),
+    ("null_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": null}\n', ':2: "answer" must be'),
+    ("list_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": [5, 1]}\n', '"answer" must be'),
+    ("dict_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": {"v": 2}}\n', '"answer" must be'),
+    ("bool_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": true}\n', '"answer" must be'),
+    ("empty_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": "  "}\n', '"answer" must be'),
+    ("null_prompt.jsonl", GOOD_ROW + '{"prompt": null, "answer": "2"}\n', '"prompt" must be non-empty text'),
+    ("number_prompt.jsonl", GOOD_ROW + '{"prompt": 8, "answer": "2"}\n', '"prompt" must be non-empty text'),
+    ("empty.jsonl", "\n\n", "has 0 row(s); it needs at least 2"),
+    ("one_row.jsonl", GOOD_ROW, "has 1 row(s); it needs at least 2"),
+    ("no_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 ="}\n', 'needs both "prompt" and "answer"'),
+    ("broken.jsonl", GOOD_ROW + '{"prompt": oops}\n', "broken.jsonl:2: not valid JSON"),
+    ("scalar.jsonl", GOOD_ROW + '42\n', 'needs both "prompt" and "answer"'),
+    ("missing.jsonl", "-", "does not exist"),
+    ("data/missing.csv", "-", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("name,content,message", DATASETS, ids=[d[0] for d in DATASETS])
+def test_bad_datasets(tmp_path, capsys, tiny_policy_dir, name, content, message):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    elif content != "-":
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--dataset", str(path), "--output-dir", str(out)] + SMALL, capsys,
+            out, message)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and the hub: fail in seconds when the hub is unreachable
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+# hub addresses that fail the two ways a missing network does: a refused connection (a closed port on this
+# machine) and a name that does not resolve (.invalid never does)
+MODELS = [
+    ("someorg/no-such-model", "http://127.0.0.1:9", "the hub (http://127.0.0.1:9) is unreachable"),
+    ("someorg/no-such-model", "https://hub.invalid", "the hub (https://hub.invalid) is unreachable"),
+    ("no-such-model", "http://127.0.0.1:9", "is unreachable"),
+    ("models/mine/checkpoint", "http://127.0.0.1:9", "does not exist"),
+    ("./models/mine", "http://127.0.0.1:9", "does not exist"),
+    ("weights.safetensors", "http://127.0.0.1:9", "does not exist"),
+    ("missing.gguf", "http://127.0.0.1:9", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("name,endpoint,message", MODELS, ids=[f"{m[0]}@{m[1]}" for m in MODELS])
+def test_missing_models_fail_within_seconds(tmp_path, capsys, monkeypatch, hub_unreachable, name, endpoint,
+                                            message):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))  # an empty cache: nothing to fall back on
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    refused(["--model", name, "--output-dir", str(out)] + SMALL, capsys, out, message, seconds=10)
+
+
+def test_hub_dataset_fails_within_seconds(tmp_path, capsys, monkeypatch, tiny_policy_dir, hub_unreachable):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--dataset", "someorg/no-such-data", "--output-dir", str(out)] + SMALL,
+            capsys, out, "is unreachable", seconds=10)
+
+
+def test_hub_dataset_without_the_datasets_package(tmp_path, capsys, monkeypatch, tiny_policy_dir):
+    import builtins
+
+    import model
+
+    monkeypatch.setattr(model, "hub_offline", lambda: False)  # as if the hub answered
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **kw: (_ for _ in ()).throw(ImportError(name))
+                        if name == "datasets" else real_import(name, *a, **kw))
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--dataset", "openai/gsm8k", "--output-dir", str(out)] + SMALL,
+            capsys, out, "needs `pip install datasets`")
+
+
+def test_wrong_wandb_key_falls_back_offline_within_seconds(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    """Not an error: the run goes on, logged offline, after one warning line, and the server is asked for 3 s."""
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.invalid")
+    start = time.time()
+    train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1",
+                "--wandb-mode", "online"] + SMALL[:-2])
+    out = capsys.readouterr().out
+    assert "warning: wandb server https://wandb.invalid did not answer within 3 s; logging offline" in out
+    assert (tmp_path / "gspo-s0" / "summary.json").is_file()
+    assert time.time() - start < 60
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run folders: a finished run is never replaced; every failure's advice gets out of it
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def finished(tmp_path, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "2",
+            "--save-every", "1"] + SMALL
+    train.main(argv)
+    return argv, tmp_path / "gspo-s0"
+
+
+@pytest.mark.parametrize("extra", [[], ["--resume", "auto"], ["--resume", "auto", "--total-steps", "5"],
+                                   ["--resume", "RUN"], ["--resume", "CKPT"], ["--eval-every", "1"]],
+                         ids=["rerun", "resume-auto", "resume-auto-more-steps", "resume-run-folder",
+                              "resume-its-checkpoint", "rerun-other-harmless-flag"])
+def test_a_finished_run_is_never_replaced(finished, capsys, extra):
+    argv, run = finished
+    extra = [str(run) if e == "RUN" else str(checkpoint.all_checkpoints(run / "checkpoints")[-1]) if e == "CKPT"
+             else e for e in extra]
+    line = refused(argv + extra, capsys, run.parent, "is a finished run (2 steps, held-out accuracy")
+    last = checkpoint.all_checkpoints(run / "checkpoints")[-1]
+    assert f"--resume {last} --run-name NEW_NAME --total-steps N continues it exactly" in line
+    assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
+    # both ways out work, and leave the finished run as it was
+    kept = snapshot(run)
+    train.main(argv[:1] + [str(run / "final")] + argv[2:] + ["--run-name", "further", "--total-steps", "1"])
+    train.main(argv + ["--resume", str(last), "--run-name", "longer", "--total-steps", "3"])
+    assert (run.parent / "further" / "summary.json").is_file()
+    assert json.loads((run.parent / "longer" / "summary.json").read_text())["steps"] == 3
+    assert snapshot(run) == kept
+
+
+def test_a_run_without_checkpoint_is_refused_with_advice_that_works(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "3"] + SMALL
+    real = train.rl_step
+    calls = []
+
+    def crashes_in_step_2(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a bug in the second step")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train, "rl_step", crashes_in_step_2)
+    with pytest.raises(ValueError):
+        train.main(argv)
+    monkeypatch.setattr(train, "rl_step", real)
+    run = tmp_path / "gspo-s0"
+    assert (run / "metrics.jsonl").is_file() and not (run / "checkpoints").exists()
+    for extra in ([], ["--resume", "auto"]):
+        line = refused(argv + extra, capsys, tmp_path, "holds an unfinished run with no checkpoint")
+        assert "--overwrite starts it again" in line and "--resume auto" not in line
+    train.main(argv + ["--overwrite"])  # the advice works
+    assert (run / "summary.json").is_file()
+
+
+def test_an_unfinished_run_with_checkpoints_points_to_resume(tmp_path, capsys, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--save-every", "1"] + SMALL
+    train.main(argv + ["--total-steps", "1", "--run-name", "r"])
+    (tmp_path / "r" / "summary.json").unlink()  # as if killed after its checkpoint
+    refused(argv + ["--total-steps", "2", "--run-name", "r"], capsys, tmp_path, "--resume auto continues it")
+    train.main(argv + ["--total-steps", "2", "--run-name", "r", "--resume", "auto"])
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
+
+
+def test_non_finite_stop_before_a_checkpoint_advises_overwrite(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    import losses
+
+    real = losses.policy_loss
+    monkeypatch.setattr(losses, "policy_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), {}))
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "4",
+            "--max-nonfinite-steps", "2"] + SMALL
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "2 steps in a row" in err and err.count("\n") == 1
+    assert "--overwrite" in err and "resume" not in err.split(";")[-1].replace("a resume would", "")
+    monkeypatch.setattr(losses, "policy_loss", real)
+    train.main(argv + ["--overwrite"])  # the advice works
+    assert (tmp_path / "gspo-s0" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("where", ["loading", "first-evaluation"])
+def test_interrupt_during_start_up_leaves_nothing(tmp_path, capsys, tiny_policy_dir, monkeypatch, signum, where):
+    target = train.models if where == "loading" else train
+    name = "load_model" if where == "loading" else "evaluate"
+    real = getattr(target, name)
+
+    def interrupted(*a, **kw):
+        os.kill(os.getpid(), signum)
+        time.sleep(1)  # the handler runs as soon as the signal arrives
+        return real(*a, **kw)
+
+    monkeypatch.setattr(target, name, interrupted)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(out)] + SMALL
+    refused(argv, capsys, out, f"interrupted by {signal.Signals(signum).name} during start-up")
+    assert not out.exists()
+    monkeypatch.setattr(target, name, real)
+    train.main(argv + ["--total-steps", "1"])  # the advice (run the same command again) works
+    assert (out / "gspo-s0" / "summary.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints: messages that point at what is really wrong
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_resume_given_a_file_inside_a_checkpoint(finished, capsys, tmp_path):
+    argv, run = finished
+    ckpt = checkpoint.all_checkpoints(run / "checkpoints")[-1]
+    (run / "summary.json").unlink()
+    refused(argv + ["--resume", str(ckpt / "state.pt")], capsys, run.parent, f"pass the checkpoint folder {ckpt}")
+
+
+def test_truncated_model_in_a_checkpoint_names_the_earlier_one(finished, capsys):
+    argv, run = finished
+    (run / "summary.json").unlink()
+    first, last = checkpoint.all_checkpoints(run / "checkpoints")
+    weights = last / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = refused(argv + ["--resume", "auto"], capsys, run.parent, f"{last / 'model'} cannot be loaded")
+    assert f"--resume {first}" in line
+
+
+def test_resume_of_a_missing_checkpoint(tmp_path, capsys, tiny_policy_dir):
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--resume", str(tmp_path / "nope")]
+            + SMALL, capsys, tmp_path, "no such checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help and the totals after a resume
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--weight-decay", "--wandb-project", "--wandb-tags"):
+        entry = text[text.index(flag):text.index(flag) + 300]
+        assert "(default:" in entry and len(entry.split("(default:")[0].split()) > 4, entry
+    assert "0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo)" in " ".join(text.split())
+    assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
+
+
+def test_minutes_after_a_resume_count_the_whole_run(tmp_path, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--save-every", "1"] + SMALL
+    train.main(argv + ["--total-steps", "2"])
+    first = json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["rl_minutes"]
+    (tmp_path / "gspo-s0" / "summary.json").unlink()
+    state = checkpoint.load_state(checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")[-1])
+    assert 0 < state["minutes"] <= first
+    train.main(argv + ["--total-steps", "3", "--resume", "auto"])
+    total = json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["rl_minutes"]
+    assert total > state["minutes"]
+    rows = [json.loads(line) for line in (tmp_path / "gspo-s0" / "metrics.jsonl").open()]
+    assert rows[-1]["perf/elapsed_min"] > state["minutes"]
+
+
+def test_user_errors_are_what_main_turns_into_one_line():
+    assert guards.Interrupted in train.USER_ERRORS and guards.NonFiniteError in train.USER_ERRORS
