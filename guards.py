@@ -73,6 +73,17 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
     (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
     (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
+    (lambda a: not 0 <= a.seed < 2**32, "--seed must be in [0, 2**32) (got {seed})"),
+    (lambda a: a.temperature < 0.01, "--temperature {temperature} is greedy in all but name: every completion of a "
+                                     "group would be the same, so no advantage is non-zero. Use >= 0.01 (1.0 samples "
+                                     "plainly)"),
+    (lambda a: a.format_weight < 0 or a.overlong_weight < 0,
+     "reward weights must be >= 0 (got --format-weight {format_weight}, --overlong-weight {overlong_weight}); a "
+     "negative one rewards what it should punish"),
+    (lambda a: a.resume and a.overwrite, "--resume and --overwrite contradict each other: --resume continues a run, "
+                                         "--overwrite replaces it; pass one"),
+    (lambda a: any(not 1 <= len(t) <= 64 for t in a.wandb_tags), "--wandb-tags: each tag must be 1 to 64 characters "
+                                                                  "(wandb's limit)"),
     (lambda a: not a.output_dir.strip(), "--output-dir must name a folder (got {output_dir!r}); the default is runs"),
     (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
     (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
@@ -113,6 +124,9 @@ def validate(args) -> None:
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
     check_device(args.device)
+    if args.dtype == "float16" and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()
+                                                            and not torch.backends.mps.is_available())):
+        raise ConfigError("--dtype float16 on the CPU overflows in training (no loss scaling); use float32 or bfloat16")
     check_wandb_login(args.wandb_mode)
 
 

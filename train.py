@@ -50,7 +50,7 @@ class Args:
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 43
+    """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 36
     subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), a JSONL file of
     {"prompt", "answer"} rows, or a hub dataset"""
     device: str = "auto"

@@ -83,6 +83,14 @@ FLAGS = [
     (["--total-steps", "-5"], "--total-steps must be at least 1"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
     (["--num-prompts", "-3"], "--num-prompts must be at least 1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--seed", "99999999999"], "--seed must be in [0, 2**32)"),
+    (["--temperature", "1e-30"], "is greedy in all but name"),
+    (["--format-weight", "-1"], "reward weights must be >= 0"),
+    (["--overlong-weight", "-0.5"], "reward weights must be >= 0"),
+    (["--resume", "auto", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--wandb-tags", "x" * 70], "each tag must be 1 to 64 characters"),
+    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 on the CPU"),
 ]
 
 
