@@ -100,17 +100,25 @@ def cell_runs(runs: list[dict], cell: str, algo: str) -> list[dict]:
 
 
 def mean_std(values) -> tuple[float, float]:
+    """Mean and sample std over seeds; the std is nan for a single run (no spread to compare against)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0) if len(v) else (math.nan, math.nan)
+    return (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan) if len(v) else (math.nan, math.nan)
 
 
 def differ(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """The study's rule: two means differ when their mean ± std intervals do not overlap."""
+    """The study's rule: two means differ when their mean ± std intervals do not overlap (never on one seed)."""
     return a[0] + a[1] < b[0] - b[1] or b[0] + b[1] < a[0] - a[1]
 
 
+def comparable(*cells: tuple[float, float]) -> bool:
+    """Every cell has at least two seeds, so the rule can be applied."""
+    return all(math.isfinite(m) and math.isfinite(s) for m, s in cells)
+
+
 def fmt(ms: tuple[float, float], digits: int = 3) -> str:
-    return "n/a" if math.isnan(ms[0]) else f"{ms[0]:.{digits}g} ± {ms[1]:.{digits - 1}g}"
+    if math.isnan(ms[0]):
+        return "n/a"
+    return f"{ms[0]:.{digits}g} (1 seed)" if math.isnan(ms[1]) else f"{ms[0]:.{digits}g} ± {ms[1]:.{digits - 1}g}"
 
 
 def run_mean(run: dict, key: str, first: int = 1, last: int | None = None) -> float:
@@ -163,6 +171,11 @@ def collapse_step(run: dict) -> int | None:
         if a <= peak - COLLAPSE_DROP:
             return int(step)
     return None
+
+
+def failed(run: dict) -> bool:
+    """Collapsed, or ended below the accuracy it started from (a run that only ever falls has no peak to fall from)."""
+    return collapse_step(run) is not None or final_accuracy(run) < run["rows"][0].get("eval/accuracy", math.nan)
 
 
 def steps_to(run: dict, threshold: float) -> float:
@@ -248,29 +261,34 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     threshold = round(start[0] + 0.2, 2) if math.isfinite(start[0]) else 0.5
     reach = {a: mean_std([steps_to(r, threshold) for r in cell_runs(runs, "base", a)]) for a in ALGOS}
     numbers["steps_to"] = (threshold, reach)
+    learn_known = comparable(acc[("base", "gspo")], acc[("base", "grpo")])
     learn_ok = not differ(acc[("base", "gspo")], acc[("base", "grpo")]) or acc[("base", "gspo")][0] > acc[("base", "grpo")][0]
     measured.append(f"final accuracy (base) GSPO {fmt(acc[('base', 'gspo')])} vs GRPO {fmt(acc[('base', 'grpo')])}; "
                     f"steps to {threshold:g}: GSPO {fmt(reach['gspo'], 2)}, GRPO {fmt(reach['grpo'], 2)}")
     rows.append({"claim": "2. GSPO clips ~100x more, learns as well (GSPO §5.2)",
                  "predicted": "clip fraction ratio ~100; GSPO at least as sample-efficient",
                  "measured": "; ".join(measured),
-                 "verdict": "inconclusive" if not ok else
-                 ("reproduced" if all(ok) and learn_ok else "partly: " + ("clip ratio " if all(ok) else "")
-                  + ("learning" if learn_ok else "") + " reproduced")})
+                 "verdict": "inconclusive" if not ok or not learn_known else
+                 "reproduced" if all(ok) and learn_ok else
+                 "not reproduced" if not any(ok) and not learn_ok else
+                 f"clip ratio: {'reproduced' if all(ok) else 'not reproduced'}; learning: "
+                 f"{'reproduced' if learn_ok else 'not reproduced'}"})
     # 3. stability under stale ratios and a higher lr
-    coll = {}
+    coll, fail = {}, {}
     for c in ("base", "stale", "stale-kl"):
         for a in ALGOS:
             rs = cell_runs(runs, c, a)
             if rs:
                 coll[(c, a)] = (sum(collapse_step(r) is not None for r in rs), len(rs))
-    numbers["collapse"] = coll
-    stale_tok = [coll[("stale", a)] for a in ("grpo", "dr_grpo", "dapo") if ("stale", a) in coll]
-    g = coll.get(("stale", "gspo"))
-    text = ", ".join(f"{a} {coll[('stale', a)][0]}/{coll[('stale', a)][1]}" for a in ALGOS if ("stale", a) in coll)
-    kl = ", ".join(f"{a} β={KL_SWAP[a]} {coll[('stale-kl', a)][0]}/{coll[('stale-kl', a)][1]}"
-                   for a in ("grpo", "gspo") if ("stale-kl", a) in coll)
-    if g is None or not stale_tok:
+                fail[(c, a)] = (sum(failed(r) for r in rs), len(rs))
+    numbers["collapse"], numbers["failed"] = coll, fail
+    stale_tok = [fail[("stale", a)] for a in ("grpo", "dr_grpo", "dapo") if ("stale", a) in fail]
+    g = fail.get(("stale", "gspo"))
+    text = ", ".join(f"{a} {coll[('stale', a)][0]}/{coll[('stale', a)][1]} collapsed, {fail[('stale', a)][0]} failed"
+                     for a in ALGOS if ("stale", a) in coll)
+    kl = ", ".join(f"{a} β={KL_SWAP[a]} {fail[('stale-kl', a)][0]}/{fail[('stale-kl', a)][1]} failed"
+                   for a in ("grpo", "gspo") if ("stale-kl", a) in fail)
+    if g is None or not stale_tok or g[1] < 2 or any(m < 2 for _, m in stale_tok):
         v3 = "inconclusive"
     elif g[0] == 0 and sum(n >= 2 for n, _ in stale_tok) >= 2:
         v3 = "reproduced"
@@ -280,15 +298,15 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
         v3 = "inconclusive"
     rows.append({"claim": "3. token-level ratios collapse under stale data; GSPO does not (GSPO headline)",
                  "predicted": "collapses for GRPO/Dr.GRPO/DAPO, none for GSPO",
-                 "measured": f"collapses in the stale cell (lr 2e-4, 16 minibatches): {text}"
-                             + (f"; KL swapped: {kl}" if kl else ""),
+                 "measured": f"stale cell (lr 2e-4, 16 minibatches), per algo: collapsed (pre-registered rule), "
+                             f"failed (collapsed or ended below its start): {text}" + (f"; KL swapped: {kl}" if kl else ""),
                  "verdict": v3})
     # 4. length bias
     drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
              for c in ("base", "stale") for a in ("grpo", "dr_grpo")}
     numbers["len_incorrect_drift"] = drift
     g, d = drift[("base", "grpo")], drift[("base", "dr_grpo")]
-    v4 = "inconclusive" if math.isnan(g[0]) or math.isnan(d[0]) else \
+    v4 = "inconclusive" if not comparable(g, d) else \
         "reproduced" if g[0] > 0 and differ(g, d) and g[0] > d[0] else "not reproduced"
     rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
                  "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
@@ -301,7 +319,7 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
            for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"))}
     numbers["entropy_last10"] = ent
     hi, lo = ent[("base", "dapo")], ent[("eh02", "dapo")]
-    v5 = "inconclusive" if math.isnan(hi[0]) or math.isnan(lo[0]) else \
+    v5 = "inconclusive" if not comparable(hi, lo) else \
         "reproduced" if hi[0] > lo[0] and differ(hi, lo) else "not reproduced"
     rows.append({"claim": "5. clip-higher (ε_high 0.28) keeps entropy higher (DAPO §3.1)",
                  "predicted": "entropy DAPO > DAPO with ε_high 0.2, and higher accuracy",
@@ -453,14 +471,24 @@ def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> d
              "least-squares slopes of log std against log length, with 95% t intervals over runs.", "",
              "| claim | paper's prediction | what we measured | verdict |", "|---|---|---|---|"]
     lines += [f"| {r['claim']} | {r['predicted']} | {r['measured']} | **{r['verdict']}** |" for r in rows]
-    lines += ["", "## Final held-out accuracy per cell (mean ± std over seeds)", "",
+    lines += ["", "## Final held-out accuracy per cell (mean ± std over seeds), collapses, runs that ended below start", "",
               "| cell | " + " | ".join(ALGOS) + " |", "|---|" + "---|" * len(ALGOS)]
     for c in CELLS:
-        vals = [fmt(numbers["accuracy"].get((c, a), (math.nan, math.nan))) for a in ALGOS]
-        coll = [numbers["collapse"].get((c, a)) for a in ALGOS]
-        vals = [v + (f" ({n}/{m} collapsed)" if x and (n := x[0]) and (m := x[1]) else "")
-                for v, x in zip(vals, coll)]
-        lines.append(f"| {c} | " + " | ".join(vals) + " |")
+        cells = []
+        for a in ALGOS:
+            rs = cell_runs(runs, c, a)
+            if not rs:
+                cells.append("-")
+                continue
+            n_coll = sum(collapse_step(r) is not None for r in rs)
+            n_below = sum(final_accuracy(r) < r["rows"][0].get("eval/accuracy", math.nan) for r in rs)
+            cells.append(f"{fmt(numbers['accuracy'][(c, a)])}; collapsed {n_coll}/{len(rs)}, below start "
+                         f"{n_below}/{len(rs)}")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += ["", "Collapsed: the pre-registered rule (held-out accuracy 20 points below its running peak, or a "
+                  "non-finite stop). Below start: final held-out accuracy under the warm start's, a descriptive count "
+                  "added after the first stale runs showed runs that never rose above their start and so could not "
+                  "fall 20 points below a peak."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

@@ -73,8 +73,11 @@ def test_collapse_rule():
     curve[40] = 0.51
     wobble = fake_run("x-grpo-s0", "grpo", 0, lambda s: curve.get(s, 0.5), rng)
     assert study.collapse_step(wobble) is None  # 19 points below the peak is not a collapse
+    assert not study.failed(wobble)
     wobble["nonfinite"] = True
     assert study.collapse_step(wobble) == study.STEPS  # a non-finite stop is one, at its last step
+    sinking = fake_run("x-gspo-s0", "gspo", 0, lambda s: 0.24 - s / 400, rng)  # never above its start: no peak
+    assert study.collapse_step(sinking) is None and study.failed(sinking)  # ... but it failed
 
 
 def test_length_exponent_recovers_the_law():
