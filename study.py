@@ -41,6 +41,9 @@ CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
 COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
+# A run that train.py stopped with an error is a result too: the policy broke. (log text -> what it means)
+STOPS = {"non-finite losses": "non-finite stop",
+         "dynamic sampling found": "stopped: dynamic sampling found too few groups with mixed correctness"}
 T_95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}  # two-sided 95% t quantiles by number of seeds (n - 1 dof)
 
 
@@ -86,12 +89,12 @@ def load(runs_dir: Path) -> list[dict]:
         rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
         finished = (d / "summary.json").is_file()
         log = (d / "console.log").read_text(errors="ignore") if (d / "console.log").is_file() else ""
-        nonfinite = "non-finite" in log and not finished
-        if not finished and not nonfinite:
+        stopped = None if finished else next((why for key, why in STOPS.items() if key in log), None)
+        if not finished and not stopped:
             continue  # still running, or interrupted: not a result yet
         flags = json.loads(flags_file.read_text())
         out.append({"name": d.name, "cell": d.name.rsplit("-", 2)[0], "algo": flags["algo"],
-                    "seed": int(flags["seed"]), "rows": rows, "nonfinite": nonfinite})
+                    "seed": int(flags["seed"]), "rows": rows, "stopped": stopped})
     return out
 
 
@@ -162,7 +165,7 @@ def ci95(values) -> tuple[float, float]:
 def collapse_step(run: dict) -> int | None:
     """The first evaluation at which held-out accuracy sits COLLAPSE_DROP below its running peak (or the step of a
     non-finite stop); None when the run never collapsed."""
-    if run["nonfinite"]:
+    if run["stopped"] == STOPS["non-finite losses"]:
         return max(r["step"] for r in run["rows"])
     s, acc = series({"rows": run["rows"]}, "eval/accuracy")
     peak = -1.0
@@ -174,8 +177,10 @@ def collapse_step(run: dict) -> int | None:
 
 
 def failed(run: dict) -> bool:
-    """Collapsed, or ended below the accuracy it started from (a run that only ever falls has no peak to fall from)."""
-    return collapse_step(run) is not None or final_accuracy(run) < run["rows"][0].get("eval/accuracy", math.nan)
+    """Collapsed, stopped by an error, or ended below the accuracy it started from (a run that only ever falls has
+    no peak to fall from)."""
+    return (collapse_step(run) is not None or run["stopped"] is not None
+            or final_accuracy(run) < run["rows"][0].get("eval/accuracy", math.nan))
 
 
 def steps_to(run: dict, threshold: float) -> float:
@@ -450,7 +455,7 @@ def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> d
     rows, numbers = verdicts(runs)
     per_run = [{"run": r["name"], "cell": r["cell"], "algo": r["algo"], "seed": r["seed"],
                 "accuracy_before": r["rows"][0].get("eval/accuracy"), "accuracy_after": final_accuracy(r),
-                "collapse_step": collapse_step(r), "nonfinite_stop": r["nonfinite"],
+                "collapse_step": collapse_step(r), "stopped": r["stopped"] or "", "failed": failed(r),
                 "clip_frac_mean": run_mean(r, "clip/frac"), "token_ratio_var_mean": run_mean(r, "ratio/token_var"),
                 "exp_logsum": length_exponent(r, "std_logsum"), "exp_log_s": length_exponent(r, "std_log_s"),
                 "entropy_last10": run_mean(r, "losses/entropy", first=STEPS - 9),
@@ -482,13 +487,16 @@ def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> d
                 continue
             n_coll = sum(collapse_step(r) is not None for r in rs)
             n_below = sum(final_accuracy(r) < r["rows"][0].get("eval/accuracy", math.nan) for r in rs)
+            n_stop = sum(r["stopped"] is not None for r in rs)
             cells.append(f"{fmt(numbers['accuracy'][(c, a)])}; collapsed {n_coll}/{len(rs)}, below start "
-                         f"{n_below}/{len(rs)}")
+                         f"{n_below}/{len(rs)}" + (f", stopped {n_stop}/{len(rs)}" if n_stop else ""))
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += ["", "Collapsed: the pre-registered rule (held-out accuracy 20 points below its running peak, or a "
-                  "non-finite stop). Below start: final held-out accuracy under the warm start's, a descriptive count "
-                  "added after the first stale runs showed runs that never rose above their start and so could not "
-                  "fall 20 points below a peak."]
+                  "non-finite stop). Below start: final held-out accuracy (the last evaluation before a stop) under "
+                  "the warm start's. Stopped: train.py ended the run with an error (dynamic sampling found too few "
+                  "groups with mixed correctness: the policy had stopped getting answers right). The last two counts "
+                  "were added after the first stale runs showed runs that never rose above their start, so could "
+                  "not fall 20 points below a peak; claim 3 counts a run as failed when any of the three holds."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

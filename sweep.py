@@ -7,7 +7,8 @@
 
 Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
 and to <output_dir>/<name>/runs/<run>/metrics.jsonl. A run is finished when its summary.json exists; re-running
-the same command skips finished runs and restarts unfinished ones from scratch. The report (markdown, CSV and
+the same command skips finished runs and runs that train.py stopped with an error (exit code 2: it would stop
+again), and restarts interrupted ones from scratch. The report (markdown, CSV and
 four PNG plots) is written to --report-dir.
 """
 
@@ -73,6 +74,9 @@ def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, thread
     run_dir = runs_dir / flags["run_name"]
     if (run_dir / "summary.json").is_file():
         return flags["run_name"], 0.0, -1  # finished earlier: skipped
+    exit_file = run_dir / "sweep_exit.json"
+    if exit_file.is_file() and json.loads(exit_file.read_text())["exit_code"] == 2:
+        return flags["run_name"], 0.0, -2  # stopped by train.py with an error: a result, and it would stop again
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run restarts from scratch
     cmd = [sys.executable, "train.py", "--output-dir", str(runs_dir), "--wandb-group", name,
            "--wandb-tags", "sweep", flags["algo"], "--no-save-model", *train_args]
@@ -84,6 +88,7 @@ def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, thread
     (run_dir / "sweep.json").write_text(json.dumps(flags, indent=2))
     with (run_dir / "console.log").open("w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parent)
+    exit_file.write_text(json.dumps({"exit_code": rc}))
     return flags["run_name"], time.time() - start, rc
 
 
@@ -106,7 +111,9 @@ def run_grid(runs: list[dict], name: str, train_args: list[str], runs_dir: Path,
     with ThreadPoolExecutor(parallel) as pool:
         for run, seconds, rc in pool.map(lambda f: launch(f, name, train_args, runs_dir, threads), runs):
             finished = (runs_dir / run / "summary.json").is_file()  # a run stopped by a signal exits 0 unfinished
-            status = ("skipped (finished)" if rc == -1 else f"done in {seconds / 60:.1f} min" if finished
+            status = ("skipped (finished)" if rc == -1 else
+                      f"skipped (stopped with an error before; see {runs_dir / run / 'console.log'}, delete the "
+                      "folder to run it again)" if rc == -2 else f"done in {seconds / 60:.1f} min" if finished
                       else f"FAILED (exit {rc}; see {runs_dir / run / 'console.log'})" if rc else "stopped early")
             print(f"{run}: {status}", flush=True)
     print(f"{name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall", flush=True)

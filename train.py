@@ -318,8 +318,7 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tupl
         raise DynamicSamplingError(
             f"dynamic sampling found {n_kept // g} of {args.num_prompts} prompt groups with mixed "
             f"correctness after {args.max_sampling_rounds} rounds ({drawn} prompts drawn; e.g. "
-            + "; ".join(f"{p!r} {v}" for p, v in uniform[:3])
-            + "). Raise --max-sampling-rounds or --num-generations, or turn it off with --no-dynamic-sampling")
+            + "; ".join(f"{p!r} {v}" for p, v in uniform[:3]) + ")")
     batch = join(kept, tokenizer.pad_token_id)
     batch = select_groups(batch, list(range(args.num_prompts)), g) if n_kept > n_rows else batch
     correct = torch.cat(all_correct)

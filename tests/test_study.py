@@ -45,7 +45,7 @@ def fake_run(name, algo, seed, acc, rng, cell=None, length_power=0.5, entropy=1.
                         "clip/shadow_dr_grpo": 0.002, "ratio/token_mean": 1.0})
         rows.append(row)
     return {"name": name, "cell": cell or name.rsplit("-", 2)[0], "algo": algo, "seed": seed, "rows": rows,
-            "nonfinite": False}
+            "stopped": None}
 
 
 def synthetic_study():
@@ -74,7 +74,7 @@ def test_collapse_rule():
     wobble = fake_run("x-grpo-s0", "grpo", 0, lambda s: curve.get(s, 0.5), rng)
     assert study.collapse_step(wobble) is None  # 19 points below the peak is not a collapse
     assert not study.failed(wobble)
-    wobble["nonfinite"] = True
+    wobble["stopped"] = study.STOPS["non-finite losses"]
     assert study.collapse_step(wobble) == study.STEPS  # a non-finite stop is one, at its last step
     sinking = fake_run("x-gspo-s0", "gspo", 0, lambda s: 0.24 - s / 400, rng)  # never above its start: no peak
     assert study.collapse_step(sinking) is None and study.failed(sinking)  # ... but it failed

@@ -48,3 +48,14 @@ def test_grid_names_and_overrides():
     runs = sweep.grid(sweep.SweepArgs(algos=("gspo",), seeds=(0, 1), set=("lr=1e-4,3e-4",)))
     assert [r["run_name"] for r in runs] == ["gspo-lr1e-4-s0", "gspo-lr3e-4-s0", "gspo-lr1e-4-s1", "gspo-lr3e-4-s1"]
     assert runs[1]["lr"] == "3e-4"
+
+
+def test_a_run_stopped_by_an_error_is_not_rerun(tmp_path, tiny_policy_dir):
+    """A run train.py stopped with exit code 2 (bad input, a non-finite stop, dynamic sampling giving up) would stop
+    the same way again: a rerun of the sweep reports it and moves on."""
+    flags = {"algo": "gspo", "seed": "0", "run_name": "bad", "lr": "-1"}
+    train_args = ["--model", str(tiny_policy_dir), "--wandb-mode", "disabled"]
+    name, _, rc = sweep.launch(flags, "t", train_args, tmp_path, 1)
+    assert (name, rc) == ("bad", 2)
+    assert "error: --lr must be > 0" in (tmp_path / "bad" / "console.log").read_text()
+    assert sweep.launch(flags, "t", train_args, tmp_path, 1)[2] == -2
