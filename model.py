@@ -217,12 +217,15 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
         sched.step()
         bar.set_postfix(loss=f"{total:.3f}", refresh=False)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
     except OSError:  # a concurrent run finished first (out exists and is not empty): keep its copy, drop ours
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:  # interrupted while saving: leave no half-written folder in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
