@@ -254,12 +254,12 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     clip = {(c, a): mean_std([run_mean(r, "clip/frac") for r in cell_runs(runs, c, a)])
             for c in ("base", "stale") for a in ALGOS}
     numbers["clip"] = clip
-    measured, ok = [], []
+    measured, ratio = [], {}
     for c in ("base", "stale"):
         g, t = clip[(c, "gspo")][0], clip[(c, "grpo")][0]
         if math.isfinite(g) and math.isfinite(t) and t > 0:
+            ratio[c] = g / t
             measured.append(f"{c}: GSPO {g:.3g} of sequences vs GRPO {t:.3g} of tokens ({g / t:.0f}x)")
-            ok.append(g / t >= 30)
     acc = {(c, a): mean_std([final_accuracy(r) for r in cell_runs(runs, c, a)]) for c in CELLS for a in ALGOS}
     numbers["accuracy"] = acc
     start = mean_std([r["rows"][0].get("eval/accuracy") for r in runs if r["rows"]])
@@ -271,12 +271,14 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     measured.append(f"final accuracy (base) GSPO {fmt(acc[('base', 'gspo')])} vs GRPO {fmt(acc[('base', 'grpo')])}; "
                     f"steps to {threshold:g}: GSPO {fmt(reach['gspo'], 2)}, GRPO {fmt(reach['grpo'], 2)}")
     rows.append({"claim": "2. GSPO clips ~100x more, learns as well (GSPO §5.2)",
-                 "predicted": "clip fraction ratio ~100; GSPO at least as sample-efficient",
+                 "predicted": "clip fraction ratio ~100 (we require >= 30 in the base cell); GSPO learns at least as "
+                              "well (final accuracy not below GRPO's by the rule)",
                  "measured": "; ".join(measured),
-                 "verdict": "inconclusive" if not ok or not learn_known else
-                 "reproduced" if all(ok) and learn_ok else
-                 "not reproduced" if not any(ok) and not learn_ok else
-                 f"clip ratio: {'reproduced' if all(ok) else 'not reproduced'}; learning: "
+                 # judged in the paper's regime (base: 4 minibatches); the stale ratio is reported beside it
+                 "verdict": "inconclusive" if "base" not in ratio or not learn_known else
+                 "reproduced" if ratio["base"] >= 30 and learn_ok else
+                 "not reproduced" if ratio["base"] < 30 and not learn_ok else
+                 f"clip ratio: {'reproduced' if ratio['base'] >= 30 else 'not reproduced'}; learning: "
                  f"{'reproduced' if learn_ok else 'not reproduced'}"})
     # 3. stability under stale ratios and a higher lr
     coll, fail = {}, {}
