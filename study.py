@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import sweep
-from sweep import ALGO_COLORS, ALGOS, series
+from sweep import ALGO_COLORS, ALGOS, series, steps_to
 
 STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
 # 8 prompts x 8 completions per rollout (the default run uses 16): 33 runs fit the 150-minute budget on 2 cores
@@ -125,13 +125,13 @@ def fmt(ms: tuple[float, float], digits: int = 3) -> str:
 
 
 def run_mean(run: dict, key: str, first: int = 1, last: int | None = None) -> float:
-    s, y = series({"rows": run["rows"]}, key)
+    s, y = series(run, key)
     keep = (s >= first) & (s <= (last if last is not None else s.max() if len(s) else 0))
     return float(np.mean(y[keep])) if keep.any() else math.nan
 
 
 def final_accuracy(run: dict) -> float:
-    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
+    s, acc = series(run, "eval/accuracy")
     return float(acc[-1]) if len(acc) else math.nan
 
 
@@ -144,8 +144,8 @@ def length_exponent(run: dict, key: str) -> float:
     """Least-squares slope of log std vs log length over every (step, length quartile) of one run."""
     xs, ys = [], []
     for q in range(1, 5):
-        s_len, lens = series({"rows": run["rows"]}, f"lenbucket/q{q}_len")
-        s_std, stds = series({"rows": run["rows"]}, f"lenbucket/q{q}_{key}")
+        s_len, lens = series(run, f"lenbucket/q{q}_len")
+        s_std, stds = series(run, f"lenbucket/q{q}_{key}")
         by_step = dict(zip(s_std.tolist(), stds.tolist()))
         for step, length in zip(s_len.tolist(), lens.tolist()):
             if by_step.get(step, 0) > 0 and length > 0:
@@ -167,7 +167,7 @@ def collapse_step(run: dict) -> int | None:
     non-finite stop); None when the run never collapsed."""
     if run["stopped"] == STOPS["non-finite losses"]:
         return max(r["step"] for r in run["rows"])
-    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
+    s, acc = series(run, "eval/accuracy")
     peak = -1.0
     for step, a in zip(s.tolist(), acc.tolist()):
         peak = max(peak, a)
@@ -183,15 +183,9 @@ def failed(run: dict) -> bool:
             or final_accuracy(run) < run["rows"][0].get("eval/accuracy", math.nan))
 
 
-def steps_to(run: dict, threshold: float) -> float:
-    s, acc = series({"rows": run["rows"]}, "eval/accuracy")
-    hit = s[acc >= threshold]
-    return float(hit[0]) if len(hit) else math.nan
-
-
 def length_drift(run: dict, key: str) -> float:
     """Mean of `key` over the last 10 steps minus over the first 10."""
-    y = series({"rows": run["rows"]}, key)[1]
+    y = series(run, key)[1]
     return float(y[-10:].mean() - y[:10].mean()) if len(y) >= 20 else math.nan
 
 
@@ -410,7 +404,7 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for c, a, rs in each(("stale", "stale-kl")):
         for i, r in enumerate(rs):
-            s, acc = series({"rows": r["rows"]}, "eval/accuracy")
+            s, acc = series(r, "eval/accuracy")
             axes[0, 0].plot(s, acc, marker="o", ms=3, lw=1, label=label(c, a, rs) if i == 0 else None, **style(c, a))
             cs = collapse_step(r)
             if cs is not None:

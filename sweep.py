@@ -143,6 +143,13 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts])) if pts else (np.array([]), np.array([]))
 
 
+def steps_to(run: dict, threshold: float) -> float:
+    """The first evaluated step at which held-out accuracy reaches `threshold` (nan if it never does)."""
+    s, acc = series(run, "eval/accuracy")
+    hit = s[acc >= threshold]
+    return float(hit[0]) if len(hit) else math.nan
+
+
 # An algorithm keeps one colour, and a setting of the swept axes one line style, in every figure.
 ALGO_COLORS = {"gspo": "tab:blue", "grpo": "tab:orange", "dr_grpo": "tab:green", "dapo": "tab:red"}
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
@@ -188,11 +195,7 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
     rows = []
     for (algo, setting), rs in groups_of(runs).items():
         final = [r["summary"]["accuracy_after"] for r in rs]
-        reach = []
-        for r in rs:
-            s, acc = series(r, "eval/accuracy")
-            hit = s[acc >= threshold]
-            reach.append(float(hit[0]) if len(hit) else float("nan"))
+        reach = [steps_to(r, threshold) for r in rs]
         def mean_of(key):  # noqa: E306
             return float(np.mean([np.nanmean(series(r, key)[1]) for r in rs]))
         def length_change(r):  # noqa: E306
