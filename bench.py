@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -45,6 +46,11 @@ class BenchArgs:
     """processes per side; they alternate ours, TRL, ours, ..."""
     steps: int = 0
     """timed RL steps per process (after one warm-up step); 0: the config's default"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """the precision of both sides: the weights both load, and TRL's bf16 flag to match (fp32 on CPU; bf16 on a GPU
+    that has it)"""
+    device: str = "auto"
+    """cpu or cuda for both sides; auto: cuda when there is one"""
     sides: tuple[str, ...] = ("ours", "trl")
     """ours, trl, and ours-recompute (ours with pi_old recomputed by a forward pass, as TRL does, not taken from
     the sampler's logits)"""
@@ -95,17 +101,24 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 8) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def worker_ours(cfg: dict, steps: int, old_logprobs: str = "auto") -> dict:
+def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
+    """(train.Args, LossConfig) of our side; TRL's config is derived from the same pair (trl_config)."""
     import train
 
-    args, loss_cfg = train.resolve(train.Args(
+    return train.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
         max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled", old_logprobs=old_logprobs,
-        dataset="embedded-instruct" if instruct(cfg) else "embedded"))
+        dataset="embedded-instruct" if instruct(cfg) else "embedded", dtype=dtype, device=device))
+
+
+def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: str = "auto") -> dict:
+    import train
+
+    args, loss_cfg = our_args(cfg, dtype, device, old_logprobs)
     train.seed_everything(0)
     policy, tokenizer = train.load_policy(args)
     train_set, _ = train.load_data(args)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     stream, gen = train.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
     params = sum(p.numel() for p in policy.parameters())
@@ -118,10 +131,44 @@ def worker_ours(cfg: dict, steps: int, old_logprobs: str = "auto") -> dict:
             rows.append({"step_s": m["perf/rollout_s"] + m["perf/update_s"], "gen_tok_s": m["perf/gen_tokens_per_s"],
                          "update_tok_s": tokens / m["perf/update_s"],
                          "update_flops": flops_per_token * tokens / m["perf/update_s"]})
-    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params}
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params, **arithmetic(policy, autocast=False)}
 
 
-def worker_trl(cfg: dict, steps: int) -> dict:
+def arithmetic(policy, autocast: bool) -> dict:
+    """What a side actually computed in, read back from its model and settings (printed beside every figure)."""
+    param = next(policy.parameters())
+    return {"weights": str(param.dtype).removeprefix("torch."), "device": param.device.type,
+            "autocast": "bf16" if autocast else "off", "threads": torch.get_num_threads()}
+
+
+# our aggregation modes and advantage scaling in TRL's words
+TRL_LOSS_TYPE = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}
+
+
+def trl_config(cfg: dict, steps: int, dtype: str, device: str, output_dir: str) -> dict:
+    """GRPOConfig arguments under which TRL does the same work per RL step as our side (our_args).
+
+    Two TRL 1.16 defaults are set explicitly because they change the arithmetic: `bf16=True` (autocast in bf16,
+    which runs ~7x slower on a CPU without bf16 units and faster on one with them) and `gradient_checkpointing=True`
+    (a second forward pass inside every backward). The objective, the sampling and the split of one rollout into
+    optimizer steps are read from our side's settings, so the two cannot drift apart.
+    """
+    args, loss = our_args(cfg, dtype, device)
+    rows = args.num_prompts * args.num_generations
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=rows // args.num_minibatches,
+        steps_per_generation=args.num_minibatches, num_iterations=args.num_epochs, num_generations=args.num_generations,
+        max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
+        loss_type=TRL_LOSS_TYPE[loss.loss_agg_mode], importance_sampling_level=loss.importance_sampling_level,
+        epsilon=loss.epsilon, epsilon_high=loss.epsilon_high, beta=loss.beta,
+        scale_rewards="group" if loss.scale_rewards else "none", learning_rate=args.lr, lr_scheduler_type="constant",
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        max_steps=args.num_minibatches * (steps + 1), use_cpu=device == "cpu", bf16=dtype == "bfloat16", fp16=False,
+        gradient_checkpointing=False, report_to="none", logging_steps=10_000, save_strategy="no", seed=0,
+        disable_dropout=True)
+
+
+def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -131,9 +178,7 @@ def worker_trl(cfg: dict, steps: int) -> dict:
     import task
     import train
 
-    policy, tokenizer = models.load_model(model_name(cfg), torch.device("cpu"), torch.float32)
-    # A GGUF model arrives dequantised to fp32 but still flagged as quantised, which Trainer refuses to train.
-    policy.is_quantized, policy.hf_quantizer = False, None
+    policy, tokenizer = models.load_model(model_name(cfg), torch.device(device), getattr(torch, dtype))
     train_set, _ = task.default_splits(instruct=instruct(cfg))
     # the very prompt strings our trainer sends (chat template applied where the model has one)
     data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt), "answer": e.answer}
@@ -145,14 +190,8 @@ def worker_trl(cfg: dict, steps: int) -> dict:
         return rewards.score(completions, answer, n, [False] * len(n), defaults.format_weight, 0.0,
                              cfg["max_new_tokens"], defaults.overlong_cache)["reward"]
 
-    p, g = cfg["num_prompts"], cfg["num_generations"]
     rl_steps = steps + 1
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=p * g // 4, steps_per_generation=4,
-        num_generations=g, max_completion_length=cfg["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
-        loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
-        learning_rate=5e-5, lr_scheduler_type="constant", max_steps=4 * rl_steps, use_cpu=True, report_to="none",
-        logging_steps=10_000, save_strategy="no", seed=0, disable_dropout=True)
+    config = GRPOConfig(**trl_config(cfg, steps, dtype, device, tempfile.mkdtemp()))
 
     totals = {"gen_s": 0.0, "gen_tokens": 0, "tokens": 0}
     marks = []  # (time, totals so far) at the end of every optimizer step
@@ -181,7 +220,7 @@ def worker_trl(cfg: dict, steps: int) -> dict:
         gen_s = b["gen_s"] - a["gen_s"]
         rows.append({"step_s": t1 - t0, "gen_tok_s": (b["gen_tokens"] - a["gen_tokens"]) / gen_s,
                      "update_tok_s": (b["tokens"] - a["tokens"]) / (t1 - t0 - gen_s)})
-    return {"rows": rows, "peak_rss_mb": peak_rss_mb()}
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), **arithmetic(trainer.model, autocast=config.bf16)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,17 +239,19 @@ def main() -> None:
     args = tyro.cli(BenchArgs, description=__doc__)
     cfg = CONFIGS[args.config]
     steps = args.steps or cfg["steps"]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     if args.worker:
         workers = {"ours": worker_ours, "trl": worker_trl,
                    "ours-recompute": lambda *a: worker_ours(*a, old_logprobs="recompute")}
-        result = workers[args.worker](cfg, steps)
+        result = workers[args.worker](cfg, steps, args.dtype, device)
         print("RESULT " + json.dumps(result))
         return
     results = {side: [] for side in args.sides}
     for r in range(args.repeats):
         for side in args.sides:
-            cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(steps), "--worker", side]
+            cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(steps), "--worker", side,
+                   "--dtype", args.dtype, "--device", device]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
@@ -235,6 +276,9 @@ def report(args: BenchArgs, cfg: dict, results: dict) -> None:
     has_trl = "trl" in args.sides
     print(f"\nconfig {args.config}: P={cfg['num_prompts']} G={cfg['num_generations']} max_new_tokens="
           f"{cfg['max_new_tokens']}, 4 minibatches, GSPO; {args.repeats} processes per side, median (min-max)")
+    for side in args.sides:  # what each side computed in, read back from its model (not what was asked for)
+        a = results[side][0]
+        print(f"  {side}: {a['device']}, {a['weights']} weights, bf16 autocast {a['autocast']}, {a['threads']} threads")
     print(f"{'figure':<22}" + "".join(f"{s:>30}" for s in args.sides)
           + ("".join(f"{s + '/trl':>22}" for s in mine) if has_trl else ""))
     for label, key in [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),

@@ -135,6 +135,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
                              "and has no cached copy; pass a local model directory or .gguf file")
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ModelError(f"could not load model {name!r}: {first}")
+    if "gguf_file" in kwargs:  # dequantised to `dtype` on load but still flagged as quantised, which Trainer refuses
+        model.is_quantized, model.hf_quantizer = False, None
     return prepare(model, tokenizer, device)
 
 

@@ -9,6 +9,7 @@ completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps
 
     base      the four paper presets, lr 5e-5, 4 minibatches per rollout    claims 1, 2, 4; the baseline of 3 and 5
     eh02      dapo with --epsilon-high 0.2 (clip-higher off)                claim 5
+    stale16   the four presets, 16 minibatches per rollout (lr 5e-5)        claim 3: stale ratios alone
     stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
     stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
 
@@ -36,6 +37,7 @@ COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-eve
 CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "base": (ALGOS, {}),
     "eh02": (("dapo",), {"epsilon_high": "0.2"}),
+    "stale16": (ALGOS, {"num_minibatches": "16"}),
     "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
     "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
 }
@@ -445,7 +447,13 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
     return points
 
 
-def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> dict[str, int]:
+def run_minutes(runs: list[dict]) -> float:
+    """Minutes the runs took by their own clocks (train.py's perf/elapsed_min at each run's last logged step)."""
+    return sum(next((row["perf/elapsed_min"] for row in reversed(r["rows"]) if "perf/elapsed_min" in row), 0.0)
+               for r in runs)
+
+
+def write_report(runs: list[dict], out: Path) -> dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
     points = write_figures(runs, out)
     rows, numbers = verdicts(runs)
@@ -466,8 +474,11 @@ def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> d
     lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
              f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
              f"each {STEPS} RL steps of {PROMPTS} prompts x 8 completions, answers 20-300 tokens.",
-             "Command: `python study.py`" + (f" ({minutes:.0f} min wall for the runs this invocation made)"
-                                              if minutes else ""), "",
+             "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
+             "(this report alone).",
+             f"Cost: {run_minutes(runs):.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "
+             f"so ~{run_minutes(runs) / 2:.0f} min wall at 2 runs at a time on 2 cores, plus the cached warm start "
+             "of each seed (~3.6 min each, once).", "",
              "Rule: two cells differ only when their mean ± std (over seeds) intervals do not overlap; exponents are "
              "least-squares slopes of log std against log length, with 95% t intervals over runs.", "",
              "| claim | paper's prediction | what we measured | verdict |", "|---|---|---|---|"]
@@ -506,8 +517,6 @@ def write_report(runs: list[dict], out: Path, minutes: float | None = None) -> d
 
 
 def main() -> None:
-    import time
-
     import tyro
 
     args = tyro.cli(StudyArgs, description=__doc__)
@@ -515,15 +524,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"error: unknown cell(s) {unknown}; the cells are {list(CELLS)}")
     runs_dir = Path(args.output_dir) / "study" / "runs"
-    minutes = None
-    if not args.report_only:
-        start = time.time()
+    if not args.report_only:  # run_grid prints the wall time of the runs it made
         sweep.run_grid(grid(args.cells, args.seeds), "study", COMMON, runs_dir, args.parallel)
-        minutes = (time.time() - start) / 60
     runs = load(runs_dir)
     if not runs:
         raise SystemExit(f"error: no finished runs under {runs_dir}; run the study first (without --report-only)")
-    write_report(runs, Path(args.report_dir), minutes)
+    write_report(runs, Path(args.report_dir))
     print(f"report: {Path(args.report_dir) / 'summary.md'}")
 
 

@@ -1,0 +1,39 @@
+"""bench.py compares equal work: the TRL config it builds does the same arithmetic as our side (no TRL training)."""
+
+import pytest
+from trl import GRPOConfig
+
+import bench
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trl_config_matches_our_side(tmp_path, dtype):
+    cfg = bench.CONFIGS["tiny"]
+    args, loss = bench.our_args(cfg, dtype, "cpu")
+    config = GRPOConfig(**bench.trl_config(cfg, steps=3, dtype=dtype, device="cpu", output_dir=str(tmp_path)))
+    # precision: TRL's default is bf16 autocast; it must be what our side computes in, set explicitly
+    assert config.bf16 is (dtype == "bfloat16") and args.dtype == dtype
+    assert not config.fp16 and not config.gradient_checkpointing  # no hidden extra forward pass either
+    # the objective: GSPO's sequence-level ratio, its clip range, no KL, std-scaled group advantages
+    assert (config.importance_sampling_level, config.loss_type) == ("sequence", "grpo") == \
+        (loss.importance_sampling_level, bench.TRL_LOSS_TYPE[loss.loss_agg_mode])
+    assert (config.epsilon, config.epsilon_high, config.beta) == (loss.epsilon, loss.epsilon_high, loss.beta) \
+        == (3e-4, 4e-4, 0.0)
+    assert config.scale_rewards == "group" and loss.scale_rewards
+    # one rollout of P*G rows split into the same number of optimizer steps, one epoch
+    rows = cfg["num_prompts"] * cfg["num_generations"]
+    assert config.steps_per_generation == args.num_minibatches == 4
+    assert config.per_device_train_batch_size * config.steps_per_generation == rows
+    assert config.num_iterations == args.num_epochs == 1 and config.max_steps == 4 * (3 + 1)
+    # sampling and optimizer
+    assert (config.num_generations, config.max_completion_length) == (cfg["num_generations"], cfg["max_new_tokens"])
+    assert (config.temperature, config.top_p, config.top_k) == (args.temperature, 1.0, 0)
+    assert (config.learning_rate, config.weight_decay, config.max_grad_norm) == \
+        (args.lr, args.weight_decay, args.max_grad_norm)
+    assert config.use_cpu
+
+
+def test_trl_defaults_would_differ(tmp_path):
+    """Why the two explicit settings exist: left alone, TRL 1.16 turns on bf16 autocast and checkpointing."""
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert config.bf16 and config.gradient_checkpointing
