@@ -195,7 +195,8 @@ def length_drift(run: dict, key: str) -> float:
 # The report
 # ---------------------------------------------------------------------------------------------------------------
 
-CELL_STYLES = {"base": "-", "eh02": "--", "stale": ":", "stale-kl": "-."}  # one line style per cell, every figure
+CELL_STYLES = {"base": "-", "eh02": "--", "stale16": (0, (5, 1, 1, 1, 1, 1)), "stale": ":",  # one line style
+               "stale-kl": "-."}  # per cell, in every figure
 
 
 def style(cell: str, algo: str) -> dict:
@@ -231,6 +232,24 @@ def exponent_verdict(ms: tuple[float, float], predicted: float, sign: int) -> st
     return "not reproduced"
 
 
+STALE_CELLS = ("stale16", "stale")  # claim 3's regimes, mildest first
+STALE_NAMES = {"stale16": "16 minibatches, lr 5e-5", "stale": "16 minibatches, lr 2e-4"}
+TOKEN_ALGOS = ("grpo", "dr_grpo", "dapo")
+
+
+def stability_verdict(gspo: tuple[int, int], token: list[tuple[int, int]]) -> str:
+    """Claim 3 in one regime, from (failed, runs) counts: reproduced when GSPO never fails while at least two
+    token-level objectives fail in most of their seeds; not reproduced when GSPO fails at least as often as the
+    token-level objectives on average (including when none fails); inconclusive otherwise or with < 2 seeds."""
+    if not token or gspo[1] < 2 or any(m < 2 for _, m in token):
+        return "inconclusive"
+    if gspo[0] == 0 and sum(n > m / 2 for n, m in token) >= 2:
+        return "reproduced"
+    if gspo[0] / gspo[1] >= np.mean([n / m for n, m in token]):
+        return "not reproduced"
+    return "inconclusive"
+
+
 def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     """The verdict table's rows, and the numbers behind them."""
     rows, numbers = [], {}
@@ -248,10 +267,10 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
                  "verdict": v_grow if v_grow == v_shrink else f"Σ: {v_grow}; log s: {v_shrink}"})
     # 2. clip fractions
     clip = {(c, a): mean_std([run_mean(r, "clip/frac") for r in cell_runs(runs, c, a)])
-            for c in ("base", "stale") for a in ALGOS}
+            for c in ("base",) + STALE_CELLS for a in ALGOS}
     numbers["clip"] = clip
     measured, ratio = [], {}
-    for c in ("base", "stale"):
+    for c in ("base",) + STALE_CELLS:
         g, t = clip[(c, "gspo")][0], clip[(c, "grpo")][0]
         if math.isfinite(g) and math.isfinite(t) and t > 0:
             ratio[c] = g / t
@@ -276,37 +295,36 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
                  "not reproduced" if ratio["base"] < 30 and not learn_ok else
                  f"clip ratio: {'reproduced' if ratio['base'] >= 30 else 'not reproduced'}; learning: "
                  f"{'reproduced' if learn_ok else 'not reproduced'}"})
-    # 3. stability under stale ratios and a higher lr
+    # 3. stability under stale ratios: staleness alone (stale16), then with a 4x larger lr (stale)
     coll, fail = {}, {}
-    for c in ("base", "stale", "stale-kl"):
+    for c in ("base",) + STALE_CELLS + ("stale-kl",):
         for a in ALGOS:
             rs = cell_runs(runs, c, a)
             if rs:
                 coll[(c, a)] = (sum(collapse_step(r) is not None for r in rs), len(rs))
                 fail[(c, a)] = (sum(failed(r) for r in rs), len(rs))
     numbers["collapse"], numbers["failed"] = coll, fail
-    stale_tok = [fail[("stale", a)] for a in ("grpo", "dr_grpo", "dapo") if ("stale", a) in fail]
-    g = fail.get(("stale", "gspo"))
-    text = ", ".join(f"{a} {coll[('stale', a)][0]}/{coll[('stale', a)][1]} collapsed, {fail[('stale', a)][0]} failed"
-                     for a in ALGOS if ("stale", a) in coll)
+    measured, per_regime = [], {}
+    for c in STALE_CELLS:
+        if (c, "gspo") not in fail:
+            continue
+        per_regime[c] = stability_verdict(fail[(c, "gspo")], [fail[(c, a)] for a in TOKEN_ALGOS if (c, a) in fail])
+        each_algo = ", ".join(f"{a} {coll[(c, a)][0]}/{coll[(c, a)][1]} collapsed, {fail[(c, a)][0]} failed, final "
+                              f"{fmt(acc[(c, a)])}" for a in ALGOS if (c, a) in coll)
+        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}")
     kl = ", ".join(f"{a} β={KL_SWAP[a]} {fail[('stale-kl', a)][0]}/{fail[('stale-kl', a)][1]} failed"
                    for a in ("grpo", "gspo") if ("stale-kl", a) in fail)
-    if g is None or not stale_tok or g[1] < 2 or any(m < 2 for _, m in stale_tok):
-        v3 = "inconclusive"
-    elif g[0] == 0 and sum(n >= 2 for n, _ in stale_tok) >= 2:
-        v3 = "reproduced"
-    elif g[0] / g[1] >= np.mean([n / m for n, m in stale_tok]):
-        v3 = "not reproduced"
-    else:
-        v3 = "inconclusive"
+    verdict3 = "; ".join(f"{c}: {v}" for c, v in per_regime.items()) or "inconclusive"
+    if len(set(per_regime.values())) == 1:
+        verdict3 = next(iter(per_regime.values()))
     rows.append({"claim": "3. token-level ratios collapse under stale data; GSPO does not (GSPO headline)",
                  "predicted": "collapses for GRPO/Dr.GRPO/DAPO, none for GSPO",
-                 "measured": f"stale cell (lr 2e-4, 16 minibatches), per algo: collapsed (pre-registered rule), "
-                             f"failed (collapsed or ended below its start): {text}" + (f"; KL swapped: {kl}" if kl else ""),
-                 "verdict": v3})
+                 "measured": "per algo: collapsed (pre-registered rule), failed (collapsed, ended below its start, or "
+                             "stopped), final accuracy; " + "; ".join(measured) + (f"; KL swapped (stale): {kl}" if kl else ""),
+                 "verdict": verdict3})
     # 4. length bias
     drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
-             for c in ("base", "stale") for a in ("grpo", "dr_grpo")}
+             for c in ("base",) + STALE_CELLS for a in ("grpo", "dr_grpo")}
     numbers["len_incorrect_drift"] = drift
     g, d = drift[("base", "grpo")], drift[("base", "dr_grpo")]
     v4 = "inconclusive" if not comparable(g, d) else \
@@ -314,8 +332,9 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
                  "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
                  "measured": f"incorrect-answer length, last 10 minus first 10 steps (tokens): GRPO {fmt(g, 2)}, "
-                             f"Dr.GRPO {fmt(d, 2)} (base); stale: GRPO {fmt(drift[('stale', 'grpo')], 2)}, "
-                             f"Dr.GRPO {fmt(drift[('stale', 'dr_grpo')], 2)}",
+                             f"Dr.GRPO {fmt(d, 2)} (base)" + "".join(
+                                 f"; {c}: GRPO {fmt(drift[(c, 'grpo')], 2)}, Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}"
+                                 for c in STALE_CELLS if comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
                  "verdict": v4})
     # 5. clip-higher and entropy
     ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=STEPS - 9) for r in cell_runs(runs, c, a)])
@@ -393,7 +412,7 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
 
     # claim 2: clip fractions and learning speed
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, a, rs in each(("base", "stale")):
+    for c, a, rs in each(("base",) + STALE_CELLS):
         band(axes[0], rs, "clip/frac", label(c, a, rs), **style(c, a))
         band(axes[1], rs, "eval/accuracy", label(c, a, rs), marker="o", ms=3, **style(c, a))
     axes[0].set(title="clip fraction (GSPO: sequences; others: tokens)", xlabel="RL step", ylabel="fraction clipped",
@@ -402,25 +421,31 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
     axes[0].legend(fontsize=6)
     points["claim2_clip"] = sweep.save_figure(fig, out / "claim2_clip.png")
 
-    # claim 3: stale regime: accuracy per seed, and what precedes a collapse
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for c, a, rs in each(("stale", "stale-kl")):
+    # claim 3: the stale regimes: accuracy per seed (one panel per cell), and what precedes a collapse
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
+    stale = STALE_CELLS + ("stale-kl",)
+    for c, a, rs in each(stale):
+        ax = axes[0, stale.index(c)]
         for i, r in enumerate(rs):
             s, acc = series(r, "eval/accuracy")
-            axes[0, 0].plot(s, acc, marker="o", ms=3, lw=1, label=label(c, a, rs) if i == 0 else None, **style(c, a))
+            ax.plot(s, acc, marker="o", ms=3, lw=1, label=label(c, a, rs) if i == 0 else None, **style(c, a))
             cs = collapse_step(r)
             if cs is not None:
-                axes[0, 0].plot([cs], [dict(zip(s.tolist(), acc.tolist())).get(cs, 0)], "kx", ms=8)
-        for ax, key in zip(axes.flat[1:], ("ratio/token_var", "clip/frac", "losses/entropy", "losses/grad_norm",
-                                           "ratio/seq_logsum_var")):
+                ax.plot([cs], [dict(zip(s.tolist(), acc.tolist())).get(cs, 0)], "kx", ms=8)
+        for ax, key in zip(list(axes.flat)[3:], ("ratio/token_var", "clip/frac", "losses/entropy",
+                                                  "losses/grad_norm", "ratio/seq_logsum_var")):
             band(ax, rs, key, label(c, a, rs), **style(c, a))
-    axes[0, 0].set(title="held-out accuracy, each seed (x: collapse)", xlabel="RL step", ylabel="accuracy")
-    for ax, (title, ylabel, log) in zip(axes.flat[1:], (
+    for ax, c in zip(axes[0, :3], stale):
+        ax.set(title=f"{c}: held-out accuracy, each seed (x: collapse)", xlabel="RL step", ylabel="accuracy",
+               ylim=(0, 1))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    for ax, (title, ylabel, log) in zip(list(axes.flat)[3:], (
             ("variance of token ratios ρ_t", "var", True), ("clip fraction", "fraction", True),
             ("entropy of π_old", "nats/token", False), ("gradient norm before clipping", "L2 norm", True),
             ("variance of Σ_t log ρ_t", "nats²", True))):
         ax.set(title=title, xlabel="RL step", ylabel=ylabel, yscale="log" if log else "linear")
-    axes[0, 0].legend(fontsize=6)
+    axes[0, 3].legend(fontsize=5)
     points["claim3_stability"] = sweep.save_figure(fig, out / "claim3_stability.png")
 
     # claim 4: lengths of correct and incorrect completions, GRPO vs Dr.GRPO

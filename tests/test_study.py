@@ -11,12 +11,14 @@ import sweep
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), (0, 1, 2))
-    assert len(runs) == 3 * (4 + 1 + 4 + 2) == 33
+    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2) == 45
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
     assert by_name["base-gspo-s0"] == {"algo": "gspo", "seed": "0", "run_name": "base-gspo-s0"}
     assert by_name["eh02-dapo-s1"]["epsilon_high"] == "0.2"
+    assert by_name["stale16-dapo-s1"] == {"algo": "dapo", "seed": "1", "run_name": "stale16-dapo-s1",
+                                          "num_minibatches": "16"}  # staleness alone: base lr
     assert by_name["stale-dr_grpo-s2"]["lr"] == "2e-4" and by_name["stale-dr_grpo-s2"]["num_minibatches"] == "16"
     assert by_name["stale-kl-grpo-s0"]["beta"] == "0" and by_name["stale-kl-gspo-s0"]["beta"] == "0.04"
     for cell in study.CELLS:  # every cell is documented where `python study.py --help` shows it
@@ -58,7 +60,8 @@ def synthetic_study():
             runs.append(fake_run(f"base-{algo}-s{seed}", algo, seed, rising, rng,
                                  entropy=1.2 if algo == "dapo" else 1.0,
                                  len_incorrect=(lambda s: 80 + s) if algo == "grpo" else None))
-            runs.append(fake_run(f"stale-{algo}-s{seed}", algo, seed, rising if algo == "gspo" else falling, rng))
+            for cell in study.STALE_CELLS:
+                runs.append(fake_run(f"{cell}-{algo}-s{seed}", algo, seed, rising if algo == "gspo" else falling, rng))
         runs.append(fake_run(f"eh02-dapo-s{seed}", "dapo", seed, rising, rng, entropy=0.8))
         for algo in ("grpo", "gspo"):
             runs.append(fake_run(f"stale-kl-{algo}-s{seed}", algo, seed, rising, rng))
@@ -118,6 +121,20 @@ def test_verdicts_say_not_reproduced_when_the_data_says_so():
     verdict = {r["claim"][0]: r["verdict"] for r in study.verdicts(runs)[0]}
     # the sum does not grow; log s_i shrinks like 1/len, faster than 1/sqrt(len), which still keeps it on scale
     assert verdict["1"] == "Σ: not reproduced; log s: reproduced" and verdict["5"] == "not reproduced"
+
+
+def test_claim3_is_judged_per_stale_regime():
+    """GSPO survives staleness alone but fails with the larger lr too: each regime gets its own verdict."""
+    runs = synthetic_study()
+    rng = np.random.default_rng(2)
+    runs = [r for r in runs if not (r["cell"] == "stale" and r["algo"] == "gspo")]
+    runs += [fake_run(f"stale-gspo-s{seed}", "gspo", seed, lambda s: 0.7 - abs(s - 15) / 50, rng) for seed in range(3)]
+    rows, numbers = study.verdicts(runs)
+    assert rows[2]["verdict"] == "stale16: reproduced; stale: not reproduced", rows[2]
+    assert numbers["failed"][("stale", "gspo")] == (3, 3) and numbers["failed"][("stale16", "gspo")] == (0, 3)
+    # nothing fails anywhere: no collapse to protect against, so the claim is not reproduced, not "reproduced"
+    assert study.stability_verdict((0, 3), [(0, 3)] * 3) == "not reproduced"
+    assert study.stability_verdict((0, 1), [(3, 3)] * 3) == "inconclusive"  # one seed
 
 
 def test_sweep_report_keeps_every_swept_axis(tmp_path):
