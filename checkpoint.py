@@ -24,7 +24,7 @@ import torch
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
-            "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds"}
+            "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples"}
 
 
 class CheckpointError(ValueError):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import rewards
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,7 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
      "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
     (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
     (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
+    (lambda a: a.eval_samples < 0, "--eval-samples must be >= 0 (got {eval_samples}); 0 evaluates greedily only"),
     (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
     (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
     (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
@@ -127,6 +129,11 @@ def validate(args) -> None:
     if args.dtype == "float16" and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()
                                                             and not torch.backends.mps.is_available())):
         raise ConfigError("--dtype float16 on the CPU overflows in training (no loss scaling); use float32 or bfloat16")
+    if args.answer_format == "boxed":
+        try:
+            rewards.require_math_verify()
+        except rewards.VerifierError as e:
+            raise ConfigError(str(e))
     check_wandb_login(args.wandb_mode)
 
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+import rewards
 import task
 
 hf_logging.disable_progress_bar()  # per-file load/save bars would bury the training log (and error lines)
@@ -152,10 +153,11 @@ def prepare(model, tokenizer, device: torch.device):
     return model.to(device), tokenizer
 
 
-def format_prompt(tokenizer, prompt: str) -> str:
-    """A model with a chat template gets the prompt as a user turn; the embedded model sees the bare prompt."""
+def format_prompt(tokenizer, prompt: str, answer_format: str = "tags") -> str:
+    """A model with a chat template gets the prompt as a user turn, told where the verifier will look for the
+    answer (rewards.INSTRUCTIONS); the embedded model sees the bare prompt."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{prompt}\n{task.INSTRUCTION}"}]
+        messages = [{"role": "user", "content": f"{prompt}\n{rewards.INSTRUCTIONS[answer_format]}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return prompt
 

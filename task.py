@@ -33,9 +33,6 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
 MAX_STEPS = 4
 
-# Appended to a prompt for models that have a chat template (instruct models), which were not trained on the
-# embedded task's bare format and need to be told where the answer goes.
-INSTRUCTION = "Work step by step, then give only the final answer inside <answer></answer> tags."
 
 
 @dataclass(frozen=True)

@@ -122,13 +122,19 @@ class Args:
     overlong_cache: int = 16
     """L_cache: the punishment ramps from 0 to -1 over the last this-many tokens before max_new_tokens"""
     format_weight: float = 0.1
-    """weight of the format term (a single <answer>...</answer> ending the completion)"""
+    """weight of the format term (the answer where --answer-format puts it, ending the completion)"""
+    answer_format: Literal["tags", "last-number", "boxed"] = "tags"
+    """where the verifier reads the answer: tags (<answer>...</answer>, the embedded tasks), last-number (the last
+    number, GSM8K-style prose), boxed (the last \\boxed{}, compared by math-verify); chat prompts are told the same"""
 
     # evaluation and logging
     eval_every: int = 25
     """held-out greedy evaluation every this many steps (and before and after training)"""
     eval_size: int = 0
     """held-out problems to evaluate; 0: all"""
+    eval_samples: int = 0
+    """also draw this many samples per held-out problem at --temperature and log eval/pass@1 and eval/pass@N
+    (unbiased estimator); 0: greedy accuracy only"""
     output_dir: str = "runs"
     """each run writes <output_dir>/<run_name>/ (metrics.jsonl, final model, wandb files)"""
     run_name: str | None = None
@@ -245,13 +251,14 @@ class Batch:
 def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False,
                        keep_logprobs: bool = False) -> Batch:
     """One completion per row, decoded up to its first EOS and scored by every reward term."""
-    prompts = [models.format_prompt(tokenizer, ex.prompt) for ex in rows]
+    prompts = [models.format_prompt(tokenizer, ex.prompt, args.answer_format) for ex in rows]
     ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy,
                           keep_logprobs=keep_logprobs)
     valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
     texts = tokenizer.batch_decode(valid, skip_special_tokens=True)
     scores = rewards.score(texts, [ex.answer for ex in rows], ro.lengths.tolist(), ro.truncated.tolist(),
-                           args.format_weight, args.overlong_weight, args.max_new_tokens, args.overlong_cache)
+                           args.format_weight, args.overlong_weight, args.max_new_tokens, args.overlong_cache,
+                           args.answer_format)
     return Batch(ro, rows, scores, texts)
 
 
@@ -476,16 +483,30 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, chunk: int = 256) -> dict:
-    """Greedy held-out accuracy and mean reward."""
+def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: int = 0, chunk: int = 256) -> dict:
+    """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
+    problem at the training temperature."""
     policy.eval()
     correct, reward = [], []
     for i in range(0, len(examples), chunk):
         scores = generate_and_score(policy, tokenizer, examples[i:i + chunk], args, greedy=True).scores
         correct += scores["correct"]
         reward += scores["reward"]
+    out = {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(reward))}
+    if args.eval_samples:
+        n = args.eval_samples
+        rows = [ex for ex in examples for _ in range(n)]
+        # its own random stream, seeded by the step: sampling here must not move the training run's stream
+        kind = policy.device.type
+        with torch.random.fork_rng(devices=[] if kind == "cpu" else None, device_type="cuda" if kind == "cpu" else kind):
+            torch.manual_seed(args.seed * 100_003 + step)
+            hits = [c for i in range(0, len(rows), chunk)
+                    for c in generate_and_score(policy, tokenizer, rows[i:i + chunk], args).scores["correct"]]
+        per_problem = np.asarray(hits).reshape(len(examples), n).sum(1)  # (problems,) correct samples of n
+        for k in sorted({1, n}):
+            out[f"eval/pass@{k}"] = float(np.mean([rewards.pass_at_k(n, int(c), k) for c in per_problem]))
     policy.train()
-    return {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(reward))}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -526,11 +547,12 @@ def console_line(step: int, total: int, m: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_new_tokens: int) -> None:
+def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_new_tokens: int,
+                         answer_format: str) -> None:
     context = getattr(policy.config, "max_position_embeddings", None)
     if not context:
         return
-    lengths = [len(tokenizer(models.format_prompt(tokenizer, e.prompt), add_special_tokens=False)["input_ids"])
+    lengths = [len(tokenizer(models.format_prompt(tokenizer, e.prompt, answer_format), add_special_tokens=False)["input_ids"])
                for e in examples]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens > context:
@@ -557,7 +579,7 @@ def train(args: Args) -> dict:
         train_set, test_set = load_data(args)
         test_set = test_set[: args.eval_size or None]
         policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
-        check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens)
+        check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
             start = load_policy(args)[0] if state else copy.deepcopy(policy)
@@ -593,7 +615,7 @@ def train(args: Args) -> dict:
         if state:
             before = state["before"]
         else:
-            before = evaluate(policy, tokenizer, test_set, args)
+            before = evaluate(policy, tokenizer, test_set, args, step=0)
             logger.log(before, step=0)
         print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
 
@@ -625,7 +647,7 @@ def train(args: Args) -> dict:
                                            lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
             metrics["perf/elapsed_min"] = minutes_before + (time.time() - start) / 60
             if step % args.eval_every == 0 or step == args.total_steps:
-                metrics.update(evaluate(policy, tokenizer, test_set, args))
+                metrics.update(evaluate(policy, tokenizer, test_set, args, step))
             logger.log(metrics, step=step)
             print(console_line(step, args.total_steps, metrics), flush=True)
             all_skipped = metrics["losses/skipped_updates"] == args.num_minibatches * args.num_epochs

@@ -82,3 +82,129 @@ def test_score_combines_weighted_terms():
     assert s["format"] == [1.0, 0.0, 0.0]
     assert s["overlong"] == [0.0, -0.75, -1.0]
     assert s["reward"] == pytest.approx([1.1, 0.25, -1.0])
+
+
+# --answer-format last-number: the last number in prose (GSM8K-style)
+LAST_NUMBER_CASES = [
+    ("3 + 5 = 8", "8", True),
+    ("So the answer is 8.", "8", True),  # a full stop is not a decimal point
+    ("The answer is 8!", "8", True),
+    ("-5", "-5", True),
+    ("x = -5", "-5", True),
+    ("(−5)", "-5", True),  # Unicode minus sign
+    ("10-5", "-5", False),  # subtraction, not a sign: the last number is 5
+    ("10-5", "5", True),
+    ("+7", "7", True),
+    ("It costs 1,234 dollars in all: 1,234", "1234", True),  # thousands separators
+    ("1,234,567.50", "1234567.5", True),
+    ("3.14", "3.14", True),
+    ("0.50", "0.5", True),
+    ("5.0", "5", True),
+    ("12%", "12", True),
+    ("$12", "12", True),
+    ("**12**", "12", True),  # markdown bold
+    ("first 3, then 4, finally 8", "8", True),
+    ("8 is the answer, not 3", "8", False),  # the last number counts, not the first
+    ("What is 47 mod 13? Let me think.", "8", False),  # only the prompt echoed: 13 is its last number
+    ("What is 47 mod 13? 47-13=34 34-13=21 21-13=8", "8", True),  # echo then the work
+    ("H2O", "2", False),  # numbers inside words are not numbers
+    ("x2", "2", False),
+    ("5th", "5", False),
+    ("v1.2", "2", False),
+    ("1,23", "23", False),  # misplaced separator: ambiguous, no answer
+    ("no numbers here", "0", False),
+    ("", "0", False),
+    ("1.2.3", "1.2", True),
+    ("<answer>8</answer>", "8", True),  # tags are just text here
+    ("7" * 5000, "7" * 5000, True),  # a huge number is compared as text
+    ("word " * 20000 + "42", "42", True),  # a very long output
+    ("٨", "8", True),  # Unicode digits are digits, as in the tags format
+]
+
+
+@pytest.mark.parametrize("completion,reference,correct", LAST_NUMBER_CASES)
+def test_last_number_verifier(completion, reference, correct):
+    assert rewards.is_correct(completion, reference, "last-number") is correct
+
+
+@pytest.mark.parametrize("completion,ok", [
+    ("so the answer is 8.", True), ("8", True), ("**8**\n", True), ("(8)", True), ("12%", True),
+    ("8 apples", False), ("8 then 9 words", False), ("no number", False), ("", False),
+])
+def test_last_number_format_term(completion, ok):
+    assert rewards.format_ok(completion, "last-number") is ok
+
+
+# --answer-format boxed: the last \boxed{}, compared plainly and then by math-verify
+BOXED_CASES = [
+    (r"\boxed{8}", "8", True),
+    (r"so the answer is $\boxed{8}$.", "8", True),
+    (r"\boxed{ 8 }", "8", True),
+    (r"\boxed {8}", "8", True),  # a space before the brace
+    (r"\boxed{\frac{1}{2}}", "0.5", True),  # math-verify: fraction == decimal
+    (r"\boxed{1/2}", r"\frac{1}{2}", True),
+    (r"\boxed{0.5}", "1/2", True),
+    (r"\boxed{\dfrac{1}{2}}", r"\frac12", True),
+    (r"\boxed{2}", "0.5", False),
+    (r"\boxed{1,234}", "1234", True),
+    (r"\boxed{-3}", "-3", True),
+    (r"\boxed{3}", "-3", False),
+    (r"\boxed{\sqrt{4}}", "2", True),
+    (r"\boxed{x = 5}", "5", True),
+    (r"\boxed{Paris}", "paris", True),  # text: case folded
+    (r"\boxed{3} no wait \boxed{8}", "8", True),  # several boxes: the last one counts
+    (r"\boxed{8} no wait \boxed{3}", "8", False),
+    (r"\boxed{\frac{1}{2}", "0.5", False),  # unbalanced braces: no answer
+    (r"\boxed{{8}}", "8", True),  # nested braces
+    (r"\boxed{}", "8", False),  # empty
+    (r"\boxed8", "8", False),  # no braces
+    ("8", "8", False),  # no box
+    (r"\fbox{8}", "8", False),  # only \boxed counts
+    (r"Find \boxed{x}: x = 8", "8", False),  # a box in an echoed prompt is still the last box
+    (r"\boxed{" + "9" * 5000 + "}", "9" * 5000, True),  # huge: compared as plain text, no symbolic parse
+    ("lorem " * 20000 + r"\boxed{42}", "42", True),  # a very long output
+    (r"\boxed{\text{(A)}}", "(A)", True),  # math-verify reads both as the choice A
+    (r"\boxed{\text{(A)}}", "(B)", False),
+]
+
+
+@pytest.mark.parametrize("completion,reference,correct", BOXED_CASES)
+def test_boxed_verifier(completion, reference, correct):
+    assert rewards.is_correct(completion, reference, "boxed") is correct
+
+
+def test_boxed_format_term():
+    assert rewards.format_ok(r"work... \boxed{8}", "boxed")
+    assert not rewards.format_ok(r"\boxed{8} \boxed{8}", "boxed")  # exactly one box
+    assert not rewards.format_ok(r"\boxed{8", "boxed") and not rewards.format_ok("8", "boxed")
+
+
+def test_instruction_matches_the_format():
+    assert "<answer></answer>" in rewards.INSTRUCTIONS["tags"]
+    assert r"\boxed{}" in rewards.INSTRUCTIONS["boxed"] and "number" in rewards.INSTRUCTIONS["last-number"]
+    assert set(rewards.INSTRUCTIONS) == set(rewards.ANSWER_FORMATS)
+
+
+def test_score_reads_the_chosen_format():
+    s = rewards.score(["so it is 8.", "8 apples", "<answer>8</answer> 9"], ["8", "8", "8"], [5, 5, 5],
+                      [False] * 3, 0.1, 0.0, 20, 4, answer_format="last-number")
+    assert s["correct"] == [1.0, 1.0, 0.0] and s["format"] == [1.0, 0.0, 1.0]
+    assert s["reward"] == pytest.approx([1.1, 1.0, 0.1])
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (10, 0, 1, 0.0), (10, 10, 5, 1.0), (10, 3, 1, 0.3),  # pass@1 is the fraction correct
+    (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (5, 2, 3, 0.9),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    (8, 1, 8, 1.0), (8, 0, 8, 0.0),
+    (6, 2, 2, 1 - 6 / 15),  # 1 - C(4,2)/C(6,2)
+])
+def test_pass_at_k_unbiased_estimator(n, c, k, expected):
+    assert rewards.pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError):
+        rewards.pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        rewards.pass_at_k(4, 1, 5)

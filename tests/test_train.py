@@ -184,3 +184,35 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     with pytest.raises(train.ConfigError, match=message):
         train.train(train.Args(**{**SMALL, **flags, "output_dir": str(tmp_path)}))
+
+
+def test_eval_samples_logs_pass_at_k_and_leaves_training_unchanged(tmp_path, tiny_policy_dir):
+    _, plain, _ = run(tmp_path / "a", tiny_policy_dir, algo="gspo", save_model=False)
+    _, sampled, _ = run(tmp_path / "b", tiny_policy_dir, algo="gspo", save_model=False, eval_samples=4)
+    evals = [m for m in sampled if "eval/accuracy" in m]
+    assert len(evals) == 2  # before training and at the last step
+    for m in evals:
+        assert 0.0 <= m["eval/pass@1"] <= m["eval/pass@4"] <= 1.0
+        assert "eval/pass@1" not in plain[0]
+    # the samples come from their own random stream: the training run is the same run with or without them
+    keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "eval/pass"))} for m in ms]  # noqa
+    assert keep(plain) == keep(sampled)
+
+
+def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset):
+    import model as models
+    tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
+    assert r"\boxed{}" in models.format_prompt(tok, "1+1?", "boxed")
+    assert "<answer>" not in models.format_prompt(tok, "1+1?", "last-number")
+    summary, metrics, _ = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
+                              total_steps=1, max_new_tokens=8, answer_format="last-number")
+    assert 0.0 <= summary["accuracy_after"] <= 1.0 and "rewards/format" in metrics[-1]
+
+
+def test_boxed_without_math_verify_is_one_line_error(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(train.ConfigError, match="pip install math-verify"):
+        train.train(train.Args(**{**SMALL, "answer_format": "boxed", "output_dir": str(tmp_path)}))
+    assert not any(tmp_path.iterdir())  # refused before any folder was made
