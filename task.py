@@ -1,4 +1,4 @@
-"""The embedded default task, and loading a task from JSONL.
+"""The embedded default task, and loading a task from a file, a saved folder or the hub.
 
 The default task is a remainder computed by repeated subtraction, written out step by step:
 
@@ -152,22 +152,78 @@ def long_problems() -> list[Problem]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# JSONL datasets: one {"prompt": ..., "answer": ...} object per line
+# Datasets from files, save_to_disk folders and the hub
 # ---------------------------------------------------------------------------------------------------------------
+#
+#   .jsonl / .txt   one {"prompt": ..., "answer": ...} object per line (read here, no extra package)
+#   .json           the same, or one JSON array of such objects
+#   .parquet / .csv a table with a prompt and an answer column        (through the optional `datasets` package)
+#   a folder        a dataset saved with `save_to_disk`                (datasets)
+#   a hub name      e.g. openai/gsm8k with --dataset-config main        (datasets, and a reachable hub)
+#
+# The prompt column is --prompt-field (default: the first of prompt, question, problem), the answer column
+# --answer-field (default: answer, then solution). A reference answer keeps what follows the last "####"
+# (GSM8K's worked answers) or, failing that, the content of its last \boxed{} (MATH's solutions). A source with
+# a "test" split is evaluated on it; otherwise a fixed hash of each prompt holds out up to 10% (at most 200).
+
+PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
+TABLE_FILES = {".parquet": "parquet", ".csv": "csv"}
+ROWS_HINT = "pass a JSONL file of {\"prompt\", \"answer\"} rows"
 
 
-def load_jsonl(path: str | Path) -> list[Example]:
-    """Rows of {"prompt": text, "answer": text or number}, one JSON object per line; a TaskError names the line."""
+def reference_answer(answer: str) -> str:
+    """The final answer inside a worked reference: after GSM8K's last '####', else MATH's last \\boxed{}."""
+    import rewards
+
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1].strip()
+    boxed = rewards.extract_boxed(answer) if "\\boxed" in answer else None
+    return boxed.strip() if boxed and boxed.strip() else answer.strip()
+
+
+def pick_field(columns: list[str], chosen: str, candidates: tuple[str, ...], what: str, source: str) -> str:
+    if chosen:
+        if chosen not in columns:
+            raise TaskError(f"dataset {source} has no {what} column {chosen!r}; its columns are {columns}")
+        return chosen
+    found = next((c for c in candidates if c in columns), None)
+    if found is None:
+        raise TaskError(f"dataset {source} has no {what} column ({' or '.join(candidates)}); its columns are "
+                        f"{columns}: name one with --{what}-field")
+    return found
+
+
+def to_example(row, where: str, prompt_field: str, answer_field: str) -> Example:
+    """One row as an Example; a TaskError naming `where` (file:line or row index) when it is not usable."""
+    if not isinstance(row, dict) or prompt_field not in row or answer_field not in row:
+        raise TaskError(f"{where}: a row needs both \"{prompt_field}\" and \"{answer_field}\" fields")
+    prompt, answer = row[prompt_field], row[answer_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise TaskError(f"{where}: \"{prompt_field}\" must be non-empty text (got {json.dumps(prompt)[:40]})")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        raise TaskError(f"{where}: \"{answer_field}\" must be non-empty text or a number "
+                        f"(got {json.dumps(answer, default=str)[:40]})")
+    return Example(prompt, reference_answer(str(answer)))
+
+
+def load_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+    """Rows of {"prompt": text, "answer": text or number}, one JSON object per line (a .json file may instead hold
+    one array of them); a TaskError names the line."""
     path = Path(path)
-    if path.is_dir():
-        raise TaskError(f"dataset {path} is a folder; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
     if not path.is_file():
-        raise TaskError(f"dataset file {path} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
+        raise TaskError(f"dataset file {path} does not exist; {ROWS_HINT}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TaskError(f"dataset file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL")
-    rows = []
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
+        examples = [to_example(row, f"{path} item {i}", prompt_field, answer_field) for i, row in enumerate(rows)]
+        return at_least_two(examples, path)
+    examples = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -180,19 +236,15 @@ def load_jsonl(path: str | Path) -> list[Example]:
         if isinstance(row, list):
             raise TaskError(f"{path}:{lineno}: a JSON array; the file must hold one {{\"prompt\", \"answer\"}} "
                             "object per line (JSONL), not an array")
-        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-            raise TaskError(f"{path}:{lineno}: a row needs both \"prompt\" and \"answer\" fields")
-        prompt, answer = row["prompt"], row["answer"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise TaskError(f"{path}:{lineno}: \"prompt\" must be non-empty text (got {json.dumps(prompt)[:40]})")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-            raise TaskError(f"{path}:{lineno}: \"answer\" must be non-empty text or a number "
-                            f"(got {json.dumps(answer)[:40]})")
-        rows.append(Example(prompt, str(answer)))
-    if len(rows) < 2:
-        raise TaskError(f"dataset file {path} has {len(rows)} row(s); it needs at least 2 (some are held out for "
+        examples.append(to_example(row, f"{path}:{lineno}", prompt_field, answer_field))
+    return at_least_two(examples, path)
+
+
+def at_least_two(examples: list[Example], source) -> list[Example]:
+    if len(examples) < 2:
+        raise TaskError(f"dataset {source} has {len(examples)} row(s); it needs at least 2 (some are held out for "
                         "evaluation)")
-    return rows
+    return examples
 
 
 def write_jsonl(path: str | Path, examples: list[Example]) -> None:
@@ -212,26 +264,49 @@ def heldout_split(examples: list[Example], fraction: float = 0.1, max_heldout: i
     return [ex for ex in examples if id(ex) not in test_ids], test
 
 
-def load_hub_dataset(name: str, split: str = "train") -> list[Example]:
-    """A hub dataset with `prompt` (or `question`) and `answer` columns; GSM8K-style answers keep what follows
-    '####'. Needs the optional `datasets` package and a reachable hub."""
-    if Path(name).suffix or name.startswith((".", "/", "~")):
-        raise TaskError(f"dataset file {name} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
-    import model
+def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "") -> tuple[list, list]:
+    """(train, held-out) Examples from a file, a save_to_disk folder or a hub dataset (see the table above)."""
+    path = Path(name).expanduser()
+    if path.suffix in (".jsonl", ".json", ".txt"):
+        return heldout_split(load_jsonl(path, prompt_field or "prompt", answer_field or "answer"))
+    if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise TaskError(f"dataset {path} is a folder; pass a JSONL file of {{\"prompt\", \"answer\"}} rows or a "
+                        "folder written by `datasets`' save_to_disk")
+    looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_local and not path.exists():
+        raise TaskError(f"dataset file {name} does not exist; {ROWS_HINT}")
+    if not looks_local:
+        import model
 
-    if model.hub_offline():
-        raise TaskError(f"dataset {name!r} is not a local file, and the hub ({model.hub_endpoint()}) is unreachable; "
-                        "pass a JSONL file of {\"prompt\", \"answer\"} rows")
+        if model.hub_offline():
+            raise TaskError(f"dataset {name!r} is not a local file, and the hub ({model.hub_endpoint()}) is "
+                            f"unreachable; {ROWS_HINT}")
     try:
         import datasets
     except ImportError:
-        raise TaskError(f"{name!r} is not a file; loading hub datasets needs `pip install datasets` "
-                        "(or pass a JSONL file of {\"prompt\", \"answer\"} rows)")
+        raise TaskError(f"{name!r} is not a JSONL file; reading it needs `pip install datasets` (or {ROWS_HINT})")
     try:
-        rows = datasets.load_dataset(name, split=split)
-    except Exception as e:  # the hub client raises many types; all mean the same thing here
-        raise TaskError(f"could not load dataset {name!r} ({type(e).__name__}); pass a JSONL file instead")
-    key = "prompt" if "prompt" in rows.column_names else "question"
-    if key not in rows.column_names or "answer" not in rows.column_names:
-        raise TaskError(f"dataset {name!r} needs prompt (or question) and answer columns, has {rows.column_names}")
-    return [Example(r[key], str(r["answer"]).split("####")[-1].strip()) for r in rows]
+        if path.is_dir():
+            data = datasets.load_from_disk(str(path))
+        elif path.suffix in TABLE_FILES:
+            data = datasets.load_dataset(TABLE_FILES[path.suffix], data_files=str(path))
+        elif looks_local:
+            raise TaskError(f"dataset file {name} is not a kind this reads (.jsonl, .json, .parquet, .csv, or a "
+                            f"save_to_disk folder); {ROWS_HINT}")
+        else:
+            data = datasets.load_dataset(name, config or None)
+    except TaskError:
+        raise
+    except Exception as e:  # the datasets library raises many types; all mean "cannot read this"
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise TaskError(f"could not load dataset {name!r}: {first}")
+    splits = data if isinstance(data, datasets.DatasetDict) else {"train": data}
+    train_name = "train" if "train" in splits else next(iter(splits))
+    columns = splits[train_name].column_names
+    pf = pick_field(columns, prompt_field, PROMPT_FIELDS, "prompt", name)
+    af = pick_field(columns, answer_field, ANSWER_FIELDS, "answer", name)
+    rows = lambda split: [to_example(r, f"{name} [{split}] row {i}", pf, af)  # noqa: E731
+                          for i, r in enumerate(splits[split])]
+    if "test" in splits and train_name != "test":
+        return at_least_two(rows(train_name), name), at_least_two(rows("test"), f"{name} [test]")
+    return heldout_split(at_least_two(rows(train_name), name))

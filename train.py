@@ -51,8 +51,14 @@ class Args:
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
     """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 36
-    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), a JSONL file of
-    {"prompt", "answer"} rows, or a hub dataset"""
+    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), a JSONL, JSON,
+    parquet or CSV file, a save_to_disk folder, or a hub dataset (all but JSONL/JSON need `pip install datasets`)"""
+    prompt_field: str = ""
+    """a file's or hub dataset's prompt column; default: prompt, question or problem"""
+    answer_field: str = ""
+    """its answer column; default: answer or solution (GSM8K's '#### 42' and MATH's \\boxed{} are cut to the answer)"""
+    dataset_config: str = ""
+    """a hub dataset's configuration (e.g. main for openai/gsm8k)"""
     device: str = "auto"
     """cuda, mps or cpu; auto picks the first available"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -214,9 +220,7 @@ def load_policy(args: Args, path: Path | None = None):
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
     if args.dataset in ("embedded", "embedded-instruct", "embedded-long"):
         return task.default_splits(instruct=args.dataset == "embedded-instruct", long=args.dataset == "embedded-long")
-    if Path(args.dataset).suffix in (".jsonl", ".json", ".txt") or Path(args.dataset).exists():
-        return task.heldout_split(task.load_jsonl(args.dataset))
-    return task.heldout_split(task.load_hub_dataset(args.dataset))
+    return task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config)
 
 
 class PromptStream:

@@ -1,0 +1,75 @@
+"""Datasets from files, save_to_disk folders and (offline) the `datasets` library: fields, splits, GSM8K/MATH answers."""
+
+import json
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+import task
+import train
+
+ROWS = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "id": i} for i in range(40)]
+
+
+def test_parquet_file_with_gsm8k_answers(tmp_path):
+    path = tmp_path / "gsm.parquet"
+    Dataset.from_list(ROWS).to_parquet(str(path))
+    train_set, test_set = task.load_dataset(str(path))  # question/answer found without flags
+    assert len(train_set) + len(test_set) == 40 and test_set
+    by_prompt = {e.prompt: e.answer for e in train_set + test_set}
+    assert by_prompt["What is 7 + 7?"] == "14"  # what follows "####"
+
+
+def test_csv_file_with_named_fields(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("q,a,other\n" + "".join(f"{i} mod 3 =,{i % 3},x\n" for i in range(10)))
+    train_set, test_set = task.load_dataset(str(path), prompt_field="q", answer_field="a")
+    assert {e.prompt: e.answer for e in train_set + test_set}["8 mod 3 ="] == "2"
+    with pytest.raises(task.TaskError, match=r"no prompt column 'nope'; its columns are \['q', 'a', 'other'\]"):
+        task.load_dataset(str(path), prompt_field="nope")
+    with pytest.raises(task.TaskError, match="no prompt column .* name one with --prompt-field"):
+        task.load_dataset(str(path))
+
+
+def test_save_to_disk_folder_uses_its_test_split_and_math_solutions(tmp_path):
+    math_rows = [{"problem": f"Compute {i}/2.", "solution": f"Halve it: $\\boxed{{\\frac{{{i}}}{{2}}}}$."}
+                 for i in range(1, 9)]
+    DatasetDict({"train": Dataset.from_list(math_rows[:6]), "test": Dataset.from_list(math_rows[6:])}) \
+        .save_to_disk(str(tmp_path / "saved"))
+    train_set, test_set = task.load_dataset(str(tmp_path / "saved"))
+    assert [e.prompt for e in test_set] == ["Compute 7/2.", "Compute 8/2."]  # the test split is the held-out set
+    assert len(train_set) == 6 and train_set[0].answer == "\\frac{1}{2}"  # MATH: the last \boxed{}
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))  # one split: held out by prompt hash
+    train_set, test_set = task.load_dataset(str(tmp_path / "single"))
+    assert len(train_set) + len(test_set) == 40
+
+
+def test_json_array_file_and_bad_rows_named(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": "4"}]))
+    train_set, test_set = task.load_dataset(str(path))
+    assert sorted(e.answer for e in train_set + test_set) == ["2", "4"]
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": 2}, {"prompt": "", "answer": "4"}]))
+    with pytest.raises(task.TaskError, match=r"rows.json item 1: \"prompt\" must be non-empty text"):
+        task.load_dataset(str(path))
+    Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]).to_parquet(str(tmp_path / "b.parquet"))
+    with pytest.raises(task.TaskError, match=r"\[train\] row 1: \"answer\" must be non-empty"):
+        task.load_dataset(str(tmp_path / "b.parquet"))
+
+
+@pytest.mark.parametrize("answer,reference", [
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"), ("#### 1,234", "1,234"), ("42", "42"),
+    ("so $\\boxed{\\frac{\\sqrt{3}}{2}}$", "\\frac{\\sqrt{3}}{2}"), ("\\boxed{}", "\\boxed{}"),
+])
+def test_reference_answers(answer, reference):
+    assert task.reference_answer(answer) == reference
+
+
+def test_train_reads_a_saved_folder_with_custom_fields(tmp_path, tiny_policy_dir):
+    rows = [{"q": f"{n} mod {d} =", "a": str(n % d)} for n in range(20, 40) for d in (3, 7)]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    args = train.Args(model=str(tiny_policy_dir), dataset=str(tmp_path / "data"), prompt_field="q", answer_field="a",
+                      num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1, eval_size=4,
+                      wandb_mode="disabled", output_dir=str(tmp_path / "runs"), save_model=False)
+    summary = train.train(args)
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
