@@ -107,6 +107,20 @@ def default_splits(instruct: bool = False, long: bool = False) -> tuple[list[Exa
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# --dataset embedded-add: additions phrased for a real chat model, scored with --answer-format last-number
+# ---------------------------------------------------------------------------------------------------------------
+
+ADD_MAX = 30  # a + b with 0 <= a, b <= ADD_MAX: 961 problems, 20% held out by a hash of the prompt
+
+
+def addition_splits() -> tuple[list[Example], list[Example]]:
+    """(train, held-out) additions "What is 17 + 8?" -> "25", for pretrained instruct models (see docs/speed.md)."""
+    examples = [Example(f"What is {a} + {b}?", str(a + b)) for a in range(ADD_MAX + 1) for b in range(ADD_MAX + 1)]
+    heldout = lambda e: zlib.crc32(e.prompt.encode()) % 5 == 0  # noqa: E731
+    return [e for e in examples if not heldout(e)], [e for e in examples if heldout(e)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The long variant (--dataset embedded-long): the same remainders, worked over 3 to 36 subtractions
 # ---------------------------------------------------------------------------------------------------------------
 #

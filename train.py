@@ -218,6 +218,8 @@ def load_policy(args: Args, path: Path | None = None):
 
 
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
+    if args.dataset == "embedded-add":
+        return task.addition_splits()
     if args.dataset in ("embedded", "embedded-instruct", "embedded-long"):
         return task.default_splits(instruct=args.dataset == "embedded-instruct", long=args.dataset == "embedded-long")
     return task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config)
