@@ -12,6 +12,7 @@ completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps
     stale16   the four presets, 16 minibatches per rollout (lr 5e-5)        claim 3: stale ratios alone
     stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
     stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
+    stale16-kl  the same swap in the stale16 regime                         claim 3: the KL anchor at the base lr
 
 The rule for every comparison: two cells differ only when their mean ± std intervals over seeds do not overlap.
 The report (verdict table, one figure per claim, CSV of every run) goes to docs/study/.
@@ -40,6 +41,7 @@ CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "stale16": (ALGOS, {"num_minibatches": "16"}),
     "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
     "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
+    "stale16-kl": (("grpo", "gspo"), {"num_minibatches": "16", "beta": "__swap__"}),
 }
 KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
 COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
@@ -196,7 +198,7 @@ def length_drift(run: dict, key: str) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 CELL_STYLES = {"base": "-", "eh02": "--", "stale16": (0, (5, 1, 1, 1, 1, 1)), "stale": ":",  # one line style
-               "stale-kl": "-."}  # per cell, in every figure
+               "stale-kl": "-.", "stale16-kl": (0, (1, 2))}  # per cell, in every figure
 
 
 def style(cell: str, algo: str) -> dict:
@@ -204,7 +206,7 @@ def style(cell: str, algo: str) -> dict:
 
 
 def label(cell: str, algo: str, runs: list[dict]) -> str:
-    extra = {"eh02": " ε_high=0.2", "stale-kl": f" β={KL_SWAP.get(algo, '')}"}.get(cell, "")
+    extra = " ε_high=0.2" if cell == "eh02" else f" β={KL_SWAP.get(algo, '')}" if cell.endswith("-kl") else ""
     return f"{algo}{extra} [{cell}, {len(runs)} seeds]"
 
 
@@ -297,7 +299,7 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
                  f"{'reproduced' if learn_ok else 'not reproduced'}"})
     # 3. stability under stale ratios: staleness alone (stale16), then with a 4x larger lr (stale)
     coll, fail = {}, {}
-    for c in ("base",) + STALE_CELLS + ("stale-kl",):
+    for c in ("base",) + STALE_CELLS + tuple(f"{c}-kl" for c in STALE_CELLS):
         for a in ALGOS:
             rs = cell_runs(runs, c, a)
             if rs:
@@ -311,16 +313,17 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
         per_regime[c] = stability_verdict(fail[(c, "gspo")], [fail[(c, a)] for a in TOKEN_ALGOS if (c, a) in fail])
         each_algo = ", ".join(f"{a} {coll[(c, a)][0]}/{coll[(c, a)][1]} collapsed, {fail[(c, a)][0]} failed, final "
                               f"{fmt(acc[(c, a)])}" for a in ALGOS if (c, a) in coll)
-        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}")
-    kl = ", ".join(f"{a} β={KL_SWAP[a]} {fail[('stale-kl', a)][0]}/{fail[('stale-kl', a)][1]} failed"
-                   for a in ("grpo", "gspo") if ("stale-kl", a) in fail)
+        kl = ", ".join(f"{a} β={KL_SWAP[a]} {coll[(c + '-kl', a)][0]}/{coll[(c + '-kl', a)][1]} collapsed, "
+                       f"{fail[(c + '-kl', a)][0]} failed, final {fmt(acc[(c + '-kl', a)])}"
+                       for a in ("grpo", "gspo") if (c + "-kl", a) in fail)
+        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}" + (f"; KL swapped: {kl}" if kl else ""))
     verdict3 = "; ".join(f"{c}: {v}" for c, v in per_regime.items()) or "inconclusive"
     if len(set(per_regime.values())) == 1:
         verdict3 = next(iter(per_regime.values()))
     rows.append({"claim": "3. token-level ratios collapse under stale data; GSPO does not (GSPO headline)",
                  "predicted": "collapses for GRPO/Dr.GRPO/DAPO, none for GSPO",
                  "measured": "per algo: collapsed (pre-registered rule), failed (collapsed, ended below its start, or "
-                             "stopped), final accuracy; " + "; ".join(measured) + (f"; KL swapped (stale): {kl}" if kl else ""),
+                             "stopped), final accuracy; " + " | ".join(measured),
                  "verdict": verdict3})
     # 4. length bias
     drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
@@ -422,8 +425,8 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
     points["claim2_clip"] = sweep.save_figure(fig, out / "claim2_clip.png")
 
     # claim 3: the stale regimes: accuracy per seed (one panel per cell), and what precedes a collapse
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
-    stale = STALE_CELLS + ("stale-kl",)
+    fig, axes = plt.subplots(2, 5, figsize=(25, 8))
+    stale = ("stale16", "stale16-kl", "stale", "stale-kl")
     for c, a, rs in each(stale):
         ax = axes[0, stale.index(c)]
         for i, r in enumerate(rs):
@@ -432,20 +435,21 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
             cs = collapse_step(r)
             if cs is not None:
                 ax.plot([cs], [dict(zip(s.tolist(), acc.tolist())).get(cs, 0)], "kx", ms=8)
-        for ax, key in zip(list(axes.flat)[3:], ("ratio/token_var", "clip/frac", "losses/entropy",
+        for ax, key in zip(list(axes.flat)[4:], ("ratio/token_var", "clip/frac", "losses/entropy",
                                                   "losses/grad_norm", "ratio/seq_logsum_var")):
             band(ax, rs, key, label(c, a, rs), **style(c, a))
-    for ax, c in zip(axes[0, :3], stale):
+    for ax, c in zip(axes[0, :4], stale):
         ax.set(title=f"{c}: held-out accuracy, each seed (x: collapse)", xlabel="RL step", ylabel="accuracy",
                ylim=(0, 1))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    for ax, (title, ylabel, log) in zip(list(axes.flat)[3:], (
+    for ax, (title, ylabel, log) in zip(list(axes.flat)[4:], (
             ("variance of token ratios ρ_t", "var", True), ("clip fraction", "fraction", True),
             ("entropy of π_old", "nats/token", False), ("gradient norm before clipping", "L2 norm", True),
             ("variance of Σ_t log ρ_t", "nats²", True))):
         ax.set(title=title, xlabel="RL step", ylabel=ylabel, yscale="log" if log else "linear")
-    axes[0, 3].legend(fontsize=5)
+    axes[0, 4].legend(fontsize=5)
+    axes[1, 4].axis("off")
     points["claim3_stability"] = sweep.save_figure(fig, out / "claim3_stability.png")
 
     # claim 4: lengths of correct and incorrect completions, GRPO vs Dr.GRPO

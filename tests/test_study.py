@@ -11,7 +11,7 @@ import sweep
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), (0, 1, 2))
-    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2) == 45
+    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2 + 2) == 51
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -21,6 +21,8 @@ def test_study_expands_to_the_documented_grid():
                                           "num_minibatches": "16"}  # staleness alone: base lr
     assert by_name["stale-dr_grpo-s2"]["lr"] == "2e-4" and by_name["stale-dr_grpo-s2"]["num_minibatches"] == "16"
     assert by_name["stale-kl-grpo-s0"]["beta"] == "0" and by_name["stale-kl-gspo-s0"]["beta"] == "0.04"
+    assert by_name["stale16-kl-gspo-s2"] == {"algo": "gspo", "seed": "2", "run_name": "stale16-kl-gspo-s2",
+                                             "num_minibatches": "16", "beta": "0.04"}
     for cell in study.CELLS:  # every cell is documented where `python study.py --help` shows it
         assert f"\n    {cell} " in study.__doc__
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
@@ -65,6 +67,7 @@ def synthetic_study():
         runs.append(fake_run(f"eh02-dapo-s{seed}", "dapo", seed, rising, rng, entropy=0.8))
         for algo in ("grpo", "gspo"):
             runs.append(fake_run(f"stale-kl-{algo}-s{seed}", algo, seed, rising, rng))
+            runs.append(fake_run(f"stale16-kl-{algo}-s{seed}", algo, seed, rising, rng))
     return runs
 
 
