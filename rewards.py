@@ -61,7 +61,7 @@ ANSWER_FORMATS = ("tags", "last-number", "boxed")
 # Appended to a prompt for models with a chat template: where the verifier will look for the answer.
 INSTRUCTIONS = {
     "tags": "Work step by step, then give only the final answer inside <answer></answer> tags.",
-    "last-number": "Work step by step, then end with the final answer as a number.",
+    "last-number": "Answer with the final result as a number at the end.",
     "boxed": "Work step by step, then put the final answer in \\boxed{}.",
 }
 

@@ -252,6 +252,20 @@ def stability_verdict(gspo: tuple[int, int], token: list[tuple[int, int]]) -> st
     return "inconclusive"
 
 
+def matched_beta(acc: dict, cell: str) -> str:
+    """GRPO against GSPO at the same KL weight (the presets differ in β as well as in the ratio): one from the
+    cell, the other from its KL-swapped twin, compared by the study's rule."""
+    twin = cell + "-kl"
+    pairs = {"0": ((twin, "grpo"), (cell, "gspo")), "0.04": ((cell, "grpo"), (twin, "gspo"))}
+    parts = []
+    for beta, (g, s) in pairs.items():
+        if comparable(acc.get(g, (math.nan, math.nan)), acc.get(s, (math.nan, math.nan))):
+            a, b = acc[g], acc[s]
+            verdict = "same by the rule" if not differ(a, b) else ("GSPO higher" if b[0] > a[0] else "GRPO higher")
+            parts.append(f"β={beta}: GRPO {fmt(a)} vs GSPO {fmt(b)} ({verdict})")
+    return f"; at equal β, final accuracy: {', '.join(parts)}" if parts else ""
+
+
 def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     """The verdict table's rows, and the numbers behind them."""
     rows, numbers = [], {}
@@ -316,7 +330,8 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
         kl = ", ".join(f"{a} β={KL_SWAP[a]} {coll[(c + '-kl', a)][0]}/{coll[(c + '-kl', a)][1]} collapsed, "
                        f"{fail[(c + '-kl', a)][0]} failed, final {fmt(acc[(c + '-kl', a)])}"
                        for a in ("grpo", "gspo") if (c + "-kl", a) in fail)
-        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}" + (f"; KL swapped: {kl}" if kl else ""))
+        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}" + (f"; KL swapped: {kl}" if kl else "")
+                        + matched_beta(acc, c))
     verdict3 = "; ".join(f"{c}: {v}" for c, v in per_regime.items()) or "inconclusive"
     if len(set(per_regime.values())) == 1:
         verdict3 = next(iter(per_regime.values()))
