@@ -51,7 +51,8 @@ class Args:
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
     """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 36
-    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), a JSONL, JSON,
+    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), 'embedded-add'
+    (additions a + b <= 30 + 30 phrased for chat models, for --answer-format last-number), a JSONL, JSON,
     parquet or CSV file, a save_to_disk folder, or a hub dataset (all but JSONL/JSON need `pip install datasets`)"""
     prompt_field: str = ""
     """a file's or hub dataset's prompt column; default: prompt, question or problem"""

@@ -19,6 +19,8 @@ def test_smollm_gguf_loads_and_answers_in_the_chat_format():
 
     policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)
     assert sum(p.numel() for p in policy.parameters()) > 100e6
+    # dequantised on load, so trainable as it is (Trainer and optimizers refuse a model flagged as quantised)
+    assert not policy.is_quantized and policy.hf_quantizer is None
     prompt = models.format_prompt(tok, task.instruct_text((47, 13)))
     assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
     import rollout
