@@ -176,19 +176,18 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
     import model as models
     import rewards
     import task
-    import train
 
+    ours, _ = our_args(cfg, dtype, device)
     policy, tokenizer = models.load_model(model_name(cfg), torch.device(device), getattr(torch, dtype))
     train_set, _ = task.default_splits(instruct=instruct(cfg))
     # the very prompt strings our trainer sends (chat template applied where the model has one)
-    data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt), "answer": e.answer}
-                              for e in train_set])
-    defaults = train.Args()
+    data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt, ours.answer_format),
+                               "answer": e.answer} for e in train_set])
 
-    def reward(completions, answer, **_):  # the trainer's reward with its default weights (no overlong term)
+    def reward(completions, answer, **_):  # our side's reward: the same weights (GSPO has no overlong term)
         n = [0] * len(completions)
-        return rewards.score(completions, answer, n, [False] * len(n), defaults.format_weight, 0.0,
-                             cfg["max_new_tokens"], defaults.overlong_cache)["reward"]
+        return rewards.score(completions, answer, n, [False] * len(n), ours.format_weight, ours.overlong_weight,
+                             ours.max_new_tokens, ours.overlong_cache, ours.answer_format)["reward"]
 
     rl_steps = steps + 1
     config = GRPOConfig(**trl_config(cfg, steps, dtype, device, tempfile.mkdtemp()))

@@ -55,6 +55,7 @@ MAX_NUMBER_CHARS = 200  # longer "numbers" are compared as text: Decimal arithme
 NUMBER_IN_TEXT_RE = re.compile(
     r"(?<![\w.])(?<!\d,)(?:[+\-\u2212](?<![\w)][+\-\u2212]))?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w)(?!,\d)")
 CLOSING_RE = re.compile(r"[\s.!?%)\]}*_$\"']*")  # what may follow the final number under last-number's format rule
+BRACE_DEPTH = {"{": 1, "}": -1}
 MAX_MATH_VERIFY_CHARS = 1000  # longer boxes are compared as plain text only: symbolic parsing would take seconds
 
 ANSWER_FORMATS = ("tags", "last-number", "boxed")
@@ -121,7 +122,7 @@ def boxes(text: str) -> list[str | None]:
             continue
         depth = 0
         for k in range(j, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            depth += BRACE_DEPTH.get(text[k], 0)
             if depth == 0:
                 out.append(text[j + 1:k])
                 start = k + 1

@@ -259,8 +259,8 @@ def matched_beta(acc: dict, cell: str) -> str:
     pairs = {"0": ((twin, "grpo"), (cell, "gspo")), "0.04": ((cell, "grpo"), (twin, "gspo"))}
     parts = []
     for beta, (g, s) in pairs.items():
-        if comparable(acc.get(g, (math.nan, math.nan)), acc.get(s, (math.nan, math.nan))):
-            a, b = acc[g], acc[s]
+        a, b = acc[g], acc[s]  # every cell x algo has an entry (nan without runs)
+        if comparable(a, b):
             verdict = "same by the rule" if not differ(a, b) else ("GSPO higher" if b[0] > a[0] else "GRPO higher")
             parts.append(f"β={beta}: GRPO {fmt(a)} vs GSPO {fmt(b)} ({verdict})")
     return f"; at equal β, final accuracy: {', '.join(parts)}" if parts else ""
@@ -441,7 +441,7 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
 
     # claim 3: the stale regimes: accuracy per seed (one panel per cell), and what precedes a collapse
     fig, axes = plt.subplots(2, 5, figsize=(25, 8))
-    stale = ("stale16", "stale16-kl", "stale", "stale-kl")
+    stale = tuple(cell for c in STALE_CELLS for cell in (c, c + "-kl"))  # each regime beside its KL swap
     for c, a, rs in each(stale):
         ax = axes[0, stale.index(c)]
         for i, r in enumerate(rs):
@@ -499,6 +499,7 @@ def run_minutes(runs: list[dict]) -> float:
 
 def write_report(runs: list[dict], out: Path) -> dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
+    minutes = run_minutes(runs)
     points = write_figures(runs, out)
     rows, numbers = verdicts(runs)
     per_run = [{"run": r["name"], "cell": r["cell"], "algo": r["algo"], "seed": r["seed"],
@@ -520,8 +521,8 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
              f"each {STEPS} RL steps of {PROMPTS} prompts x 8 completions, answers 20-300 tokens.",
              "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
              "(this report alone).",
-             f"Cost: {run_minutes(runs):.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "
-             f"so ~{run_minutes(runs) / 2:.0f} min wall at 2 runs at a time on 2 cores, plus the cached warm start "
+             f"Cost: {minutes:.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "
+             f"so ~{minutes / 2:.0f} min wall at 2 runs at a time on 2 cores, plus the cached warm start "
              "of each seed (~3.6 min each, once).", "",
              "Rule: two cells differ only when their mean ± std (over seeds) intervals do not overlap; exponents are "
              "least-squares slopes of log std against log length, with 95% t intervals over runs.", "",

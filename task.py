@@ -29,6 +29,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import rewards
+
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
 MAX_STEPS = 4
@@ -187,8 +189,6 @@ ROWS_HINT = "pass a JSONL file of {\"prompt\", \"answer\"} rows"
 
 def reference_answer(answer: str) -> str:
     """The final answer inside a worked reference: after GSM8K's last '####', else MATH's last \\boxed{}."""
-    import rewards
-
     if "####" in answer:
         return answer.rsplit("####", 1)[1].strip()
     boxed = rewards.extract_boxed(answer) if "\\boxed" in answer else None

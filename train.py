@@ -559,8 +559,8 @@ def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_ne
     context = getattr(policy.config, "max_position_embeddings", None)
     if not context:
         return
-    lengths = [len(tokenizer(models.format_prompt(tokenizer, e.prompt, answer_format), add_special_tokens=False)["input_ids"])
-               for e in examples]
+    prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens > context:
         raise ConfigError(f"prompt {longest} ({examples[longest].prompt[:40]!r}...) has {lengths[longest]} tokens; "
