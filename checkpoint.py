@@ -2,8 +2,8 @@
 
 A checkpoint is a folder <run>/checkpoints/step-NNNNNN/ holding
     model/      the policy and tokenizer (save_pretrained)
-    state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator), the step,
-                the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
+    state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator) of every
+                rank, the step, the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
 It is written under a temporary name and renamed into place, so a kill mid-save leaves the previous checkpoint
 as the latest one. Restoring all of the above makes a resumed run repeat the uninterrupted one exactly (same
 machine, CPU).
@@ -11,6 +11,7 @@ machine, CPU).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -46,10 +47,14 @@ def restore_rng(state: dict, gen: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def path_of(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
 def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int) -> Path:
     """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
+    final = path_of(root, step)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp / "model")
@@ -117,3 +122,29 @@ def compare_configs(saved: dict, current: dict) -> list[str]:
         raise CheckpointError(f"cannot resume: the checkpoint's run differs in {diffs}; use the original flags, "
                               "or start a new run with another --run-name")
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed if k != "resume"]
+
+
+def check_world_size(state: dict, world_size: int, path: Path) -> None:
+    """A checkpoint holds one RNG state per process; an exact resume needs the same number of processes."""
+    saved = len(state.get("rng_ranks", [state.get("rng")]))
+    if saved != world_size:
+        how = "python train.py" if saved == 1 else f"torchrun --nproc-per-node {saved} train.py"
+        raise CheckpointError(f"{path} was written by {saved} process{'es' if saved > 1 else ''}, this run has "
+                              f"{world_size}; resume it with `{how} ...`")
+
+
+def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, rank: int = 0) -> tuple[int, float]:
+    """Put optimizer, scheduler, this rank's RNG streams and the prompt cursor back; returns (first step, minutes
+    already spent)."""
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state.get("rng_ranks", [state["rng"]])[rank], gen)
+    stream.cursor = state["cursor"]
+    return state["step"] + 1, state.get("minutes", 0.0)
+
+
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """A killed run may have logged steps after its last checkpoint; the resumed run logs them again."""
+    if path.is_file():
+        lines = [line for line in path.open() if json.loads(line)["step"] <= step]
+        path.write_text("".join(lines))

@@ -3,7 +3,10 @@
     validate(args)          every flag, before anything is loaded or written: one ConfigError line each
     check_run_folder(...)   a finished run is never replaced; an unfinished one is resumed or replaced on request
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
-    out_of_memory(...)      CUDA, MPS and CPU allocator errors, and the one-line message that names what was saved
+    shrink_on_oom(...)      --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
+    StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
+                            was saved; NonFiniteStreak stops a run whose updates are all non-finite
+    report(e)               print a user error as one line, once per torchrun job
     reachable(...)          the hub and wandb are asked for only when they answer within seconds
 
 Every error a user can cause is one of USER_ERRORS: train.main prints it as one `error: ...` line, exit code 2.
@@ -17,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import urllib.parse
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -24,7 +28,9 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import model as models
 import rewards
+import task
 
 
 class ConfigError(ValueError):
@@ -41,6 +47,14 @@ class OutOfMemory(RuntimeError):
 
 class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM before the first step: nothing was kept."""
+
+
+class PeerFailure(RuntimeError):
+    """Under torchrun: another rank stopped (its own error is printed by it), so this one stops too."""
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling could not fill a batch with informative groups."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,8 +125,9 @@ def working_schedulers() -> list[str]:
     return names
 
 
-def validate(args) -> None:
-    """Every flag on its own and against the others; the first wrong one is a ConfigError."""
+def validate(args, world_size: int = 1) -> None:
+    """Every flag on its own and against the others (and against torchrun's process count); the first wrong one is
+    a ConfigError."""
     for f in fields(args):  # no inf or nan anywhere: --lr inf, --temperature inf, --format-weight nan, ...
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -120,6 +135,12 @@ def validate(args) -> None:
     for wrong, message in CHECKS:
         if wrong(args):
             raise ConfigError(message.format(**asdict(args)))
+    if args.num_prompts % world_size:
+        raise ConfigError(f"--num-prompts {args.num_prompts} is not divisible by the {world_size} processes (each takes "
+                          f"whole prompt groups); use a multiple of {world_size}")
+    if (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide each process's "
+                          f"{args.num_prompts // world_size}x{args.num_generations} rows")
     if args.lr_scheduler not in (names := working_schedulers()):
         raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
     name = args.run_name
@@ -368,3 +389,104 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
         way_out = "Start again with --overwrite and a smaller --micro-batch-size"
     return OutOfMemory(f"out of memory in step {step} ({reason[:120]}); {where}. {way_out}, or start a new run "
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
+
+
+def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
+    """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
+    each out-of-memory error, calls `reset` (drop the partial gradient) and retries at half; the size that fits is
+    remembered for the rest of the process, per `rows`. Over several processes an error is raised instead: one
+    rank retrying alone would leave the others waiting in the gradient all-reduce."""
+    micro = fixed or AUTO_MICRO_BATCH.get(rows, rows)
+    while True:
+        try:
+            return run(micro)
+        except RuntimeError as e:
+            if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
+                raise
+            reset()
+            free_cached_memory()
+            micro = AUTO_MICRO_BATCH[rows] = micro // 2
+            print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
+
+
+AUTO_MICRO_BATCH: dict[int, int] = {}  # rows of an optimizer step -> micro-batch size that fits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A failed step: one line that names what was saved
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StepFailures:
+    """Wraps one RL step. If dynamic sampling gives up, nothing was updated, so the state the step started from is
+    saved (every rank takes part: the decision was global). If memory runs out before the first optimizer step of
+    the step, the same is saved in a single process; otherwise the latest checkpoint is named."""
+
+    def __init__(self, save, run_dir: Path, resume_hint: str, gen: torch.Generator, stream, scheduler,
+                 world_size: int):
+        self.save, self.run_dir, self.hint, self.gen = save, run_dir, resume_hint, gen
+        self.stream, self.scheduler, self.world_size = stream, scheduler, world_size
+
+    def __call__(self, step: int) -> "StepFailures":
+        self.step, self.rng, self.cursor = step, checkpoint.rng_state(self.gen), self.stream.cursor
+        self.updates = self.scheduler.last_epoch  # optimizer steps taken before this step
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        save_start = lambda: self.save(self.step - 1, self.rng, self.cursor)  # noqa: E731
+        if isinstance(exc, DynamicSamplingError):
+            raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
+                                       "or start again with --overwrite and more --num-generations or "
+                                       "--no-dynamic-sampling") from None
+        if exc is not None and is_out_of_memory(exc):
+            unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
+            raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None
+        return False
+
+
+class NonFiniteStreak:
+    """Stops a run after `limit` steps in a row in which every update was skipped as non-finite."""
+
+    def __init__(self, limit: int, updates_per_step: int):
+        self.limit, self.per_step, self.streak = limit, updates_per_step, 0
+
+    def check(self, step: int, skipped: int) -> None:
+        self.streak = self.streak + 1 if skipped == self.per_step else 0
+        if self.streak >= self.limit:
+            raise NonFiniteError(
+                f"{self.streak} steps in a row had only non-finite losses or gradients (last finite step: "
+                f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then start "
+                "again with --overwrite (or another --run-name)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts that do not fit, and how a user error is printed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_prompt_lengths(tokenizer, policy, examples: list, max_new_tokens: int, answer_format: str) -> None:
+    context = getattr(policy.config, "max_position_embeddings", None)
+    if not context:
+        return
+    prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens > context:
+        raise ConfigError(f"prompt {longest} ({examples[longest].prompt[:40]!r}...) has {lengths[longest]} tokens; "
+                          f"with --max-new-tokens {max_new_tokens} it exceeds the model's context of {context}. "
+                          "Shorten or drop such prompts, or lower --max-new-tokens")
+
+
+USER_ERRORS = (ConfigError, checkpoint.CheckpointError, models.ModelError, task.TaskError, DynamicSamplingError,
+               NonFiniteError, OutOfMemory, Interrupted)
+PER_RANK = (OutOfMemory, PeerFailure)  # the errors one rank can meet alone; every rank meets the others the same way
+
+
+def report(e: BaseException, rank: int) -> None:
+    """One `error: ...` line. Under torchrun every rank meets a bad flag or dataset alike, so rank 0 alone prints
+    it; a per-rank error names its rank."""
+    if rank == 0 or isinstance(e, PER_RANK):
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{e}", file=sys.stderr)

@@ -29,14 +29,16 @@ import tyro
 from transformers import get_scheduler
 
 import checkpoint
+import ddp
 import guards
 import losses
 import model as models
 import rewards
 import rollout
 import task
-from guards import ConfigError
-from losses import LossConfig, StepNorm
+from ddp import SINGLE, World
+from guards import DynamicSamplingError
+from losses import LossConfig
 
 
 @dataclass
@@ -301,51 +303,53 @@ def select_groups(batch: Batch, groups: list[int], g: int) -> Batch:
                  {k: [v[r] for r in rows] for k, v in batch.scores.items()}, [batch.texts[r] for r in rows])
 
 
-class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling could not fill a batch with informative groups."""
-
-
-def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args) -> tuple[Batch, dict]:
-    """P groups of G completions. With dynamic sampling (DAPO), groups whose correctness is all 0 or all 1 are
-    dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw correctness."""
+def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args, world: World = SINGLE) -> tuple[Batch, dict]:
+    """P groups of G completions (this rank's P/N of them). With dynamic sampling (DAPO), groups whose correctness
+    is all 0 or all 1 are dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw
+    correctness. Every rank reads every global draw (one prompt cursor) and goes on until all ranks are full."""
     g, kept, drawn, all_correct, uniform = args.num_generations, [], 0, [], []
-    n_rows, n_kept = args.num_prompts * g, 0
+    n_rows, n_kept = args.num_prompts // world.size * g, 0  # this rank's rows
     for _ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
-        batch = sample_batch(policy, tokenizer, stream.take(args.num_prompts), args)
+        examples = world.shard(stream.take(args.num_prompts))
         drawn += args.num_prompts
-        correct = torch.tensor(batch.scores["correct"]).view(-1, g)  # (P, G)
-        all_correct.append(correct)
-        if not args.dynamic_sampling:
-            kept.append(batch)
-            n_kept = n_rows
+        if n_kept < n_rows:  # a rank that is full only keeps the others company
+            batch = sample_batch(policy, tokenizer, examples, args)
+            correct = torch.tensor(batch.scores["correct"]).view(-1, g)  # (P/N, G)
+            all_correct.append(correct)
+            if not args.dynamic_sampling:
+                kept.append(batch)
+                n_kept = n_rows
+                break
+            is_mixed = correct.max(1).values != correct.min(1).values  # (P/N,)
+            mixed = is_mixed.nonzero().flatten().tolist()
+            uniform += [(batch.examples[i * g].prompt, "all right" if correct[i, 0] else "all wrong")
+                        for i in (~is_mixed).nonzero().flatten().tolist()]
+            if mixed:
+                kept.append(select_groups(batch, mixed, g))
+                n_kept += len(mixed) * g
+        if not world.any(n_kept < n_rows):
             break
-        is_mixed = correct.max(1).values != correct.min(1).values  # (P,)
-        mixed = is_mixed.nonzero().flatten().tolist()
-        uniform += [(batch.examples[i * g].prompt, "all right" if correct[i, 0] else "all wrong")
-                    for i in (~is_mixed).nonzero().flatten().tolist()]
-        if mixed:
-            kept.append(select_groups(batch, mixed, g))
-            n_kept += len(mixed) * g
-        if n_kept >= n_rows:
-            break
-    if n_kept < n_rows:
+    if world.any(n_kept < n_rows):
+        found = sum(min(n, n_rows) for n in world.gather(n_kept))
         raise DynamicSamplingError(
-            f"dynamic sampling found {n_kept // g} of {args.num_prompts} prompt groups with mixed "
+            f"dynamic sampling found {found // g} of {args.num_prompts} prompt groups with mixed "
             f"correctness after {args.max_sampling_rounds} rounds ({drawn} prompts drawn; e.g. "
             + "; ".join(f"{p!r} {v}" for p, v in uniform[:3]) + ")")
     batch = join(kept, tokenizer.pad_token_id)
-    batch = select_groups(batch, list(range(args.num_prompts)), g) if n_kept > n_rows else batch
-    correct = torch.cat(all_correct)
+    batch = select_groups(batch, list(range(n_rows // g)), g) if n_kept > n_rows else batch
+    correct = torch.cat(world.gather_rows(torch.cat(all_correct)))  # (groups drawn, G) over all ranks
     stats = {"dynamic/drawn": drawn, "dynamic/dropped": drawn - args.num_prompts if args.dynamic_sampling else 0,
              "charts/all_wrong_group_frac": float((correct.max(1).values == 0).float().mean()),
              "charts/all_right_group_frac": float((correct.min(1).values == 1).float().mean())}
     return batch, stats
 
 
-def rollout_metrics(batch: Batch, adv: torch.Tensor, g: int) -> dict:
-    reward = torch.tensor(batch.scores["reward"])
-    correct = torch.tensor(batch.scores["correct"]).bool()
-    lengths = batch.ro.lengths.float()
+def rollout_metrics(batch: Batch, adv: torch.Tensor, g: int, world: World = SINGLE) -> dict:
+    """Rewards, lengths and advantages of the whole rollout (every rank's rows)."""
+    scores = {k: [v for part in world.gather(batch.scores) for v in part[k]] for k in batch.scores}
+    lengths, truncated, adv = world.gather_rows(batch.ro.lengths.float(), batch.ro.truncated.float(), adv)
+    reward = torch.tensor(scores["reward"])
+    correct = torch.tensor(scores["correct"]).bool()
     m = {
         "charts/reward": float(reward.mean()),
         "charts/reward_std": float(reward.std()),
@@ -354,10 +358,10 @@ def rollout_metrics(batch: Batch, adv: torch.Tensor, g: int) -> dict:
         "charts/completion_len": float(lengths.mean()),
         "charts/completion_len_min": float(lengths.min()),
         "charts/completion_len_max": float(lengths.max()),
-        "charts/truncated_frac": float(batch.ro.truncated.float().mean()),
+        "charts/truncated_frac": float(truncated.mean()),
         "charts/advantage_abs": float(adv.abs().mean()),
     }
-    m.update({f"rewards/{k}": float(np.mean(v)) for k, v in batch.scores.items() if k != "reward"})
+    m.update({f"rewards/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"})
     # Dr.GRPO's length-bias claim is about these two; a key is left out when its set is empty
     if correct.any():
         m["charts/len_correct"] = float(lengths[correct].mean())
@@ -376,13 +380,8 @@ def logprobs_of(policy, ro: rollout.Rollout, rows: torch.Tensor, args: Args, wit
                                        ro.completion_ids.shape[1], args.temperature, with_entropy)
 
 
-# --micro-batch-size 0 sizes micro-batches to the machine: a whole minibatch per forward/backward, halved after each
-# out-of-memory error; the size that fits is remembered for the rest of the process (per minibatch size).
-AUTO_MICRO_BATCH: dict[int, int] = {}
-
-
 def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Tensor, cfg: LossConfig,
-           args: Args, gen: torch.Generator) -> dict:
+           args: Args, gen: torch.Generator, world: World = SINGLE) -> dict:
     device = next(policy.parameters()).device
     ro = batch.ro.to(device)
     adv, mask = adv.to(device), ro.completion_mask.float()
@@ -398,22 +397,25 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         if cfg.beta > 0:
             ref_logp = logprobs_of(ref_policy, ro, everything, args)
     mb_size = b // args.num_minibatches
+    net = world.trainable(policy)  # the DDP wrapper under torchrun: its backward all-reduces the gradients
 
     def accumulate(mb: torch.Tensor, micro: int) -> tuple[float, list]:
         """Forward/backward over one optimizer step's rows, `micro` rows at a time (gradient accumulation);
         returns the summed loss and, per micro-batch, (rows, log-probs, entropy or None) for the diagnostics."""
-        norm = StepNorm.of(mask[mb], args.max_new_tokens)  # normalisers of the whole optimizer step
+        norm = world.step_norm(mask[mb], args.max_new_tokens)  # normalisers of the whole optimizer step, all ranks
         total, scored = 0.0, []
-        for rows in mb.split(micro):
+        parts = mb.split(micro)
+        for i, rows in enumerate(parts):
             entropy_now = None
-            if on_policy:
-                logp, entropy_now = logprobs_of(policy, ro, rows, args, with_entropy=True)
-                old = logp.detach()
-            else:
-                logp, old = logprobs_of(policy, ro, rows, args), old_logp[rows]
-            loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                         None if ref_logp is None else ref_logp[rows], diagnostics=False)
-            loss.backward()
+            with world.sync_gradients(last=i == len(parts) - 1):
+                if on_policy:
+                    logp, entropy_now = logprobs_of(net, ro, rows, args, with_entropy=True)
+                    old = logp.detach()
+                else:
+                    logp, old = logprobs_of(net, ro, rows, args), old_logp[rows]
+                loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
+                                             None if ref_logp is None else ref_logp[rows], diagnostics=False)
+                (loss * world.size).backward()  # DDP averages over ranks; the normaliser is already global
             total += loss.item()
             scored.append((rows, logp.detach(), entropy_now))
         return total, scored
@@ -422,18 +424,9 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
-            micro = args.micro_batch_size or AUTO_MICRO_BATCH.get(mb_size, mb_size)
-            while True:
-                try:
-                    total, scored = accumulate(mb, micro)
-                    break
-                except RuntimeError as e:
-                    if not guards.is_out_of_memory(e) or args.micro_batch_size or micro == 1:
-                        raise
-                    optimizer.zero_grad(set_to_none=True)  # drop the partial gradient and retry the step smaller
-                    guards.free_cached_memory()
-                    micro = AUTO_MICRO_BATCH[mb_size] = micro // 2
-                    print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
+            total, scored = guards.shrink_on_oom(lambda micro: accumulate(mb, micro), mb_size, args.micro_batch_size,
+                                                 lambda: optimizer.zero_grad(set_to_none=True), world.size)
+            total = world.sum([total])[0]  # the whole step's loss: every rank takes the same decision below
             seen += scored
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if math.isfinite(total) and torch.isfinite(grad_norm):
@@ -444,44 +437,50 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             else:  # a non-finite loss or gradient would poison the weights: skip this update
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
-    # Diagnostics over every row scored during the update, each against pi_old: the statistics of the ratios
-    # that the objective actually saw.
+    # Diagnostics over every row scored during the update (on every rank), each against pi_old: the statistics of
+    # the ratios that the objective actually saw.
     rows = torch.cat([r for r, _, _ in seen])
     new = torch.cat([lp for _, lp, _ in seen])
     old_all = new if on_policy else old_logp[rows]
-    diag = losses.ratio_diagnostics(new, old_all, adv[rows], mask[rows], cfg)
-    buckets = losses.length_bucket_stats(new, old_all, mask[rows])
+    if on_policy:
+        ent, ent_mask = world.gather_rows(torch.cat([e for _, _, e in seen]), mask[rows])
+    else:
+        ent, ent_mask = world.gather_rows(entropy, mask)
+    kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
+    new, old_all, adv_seen, mask_seen = world.gather_rows(new, old_all, adv[rows], mask[rows])
+    diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)
+    buckets = losses.length_bucket_stats(new, old_all, mask_seen)
     metrics = {
         "losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
         "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-        "losses/entropy": losses.masked_mean(torch.cat([e for _, _, e in seen]), mask[rows]) if on_policy
-        else losses.masked_mean(entropy, mask),
+        "losses/entropy": losses.masked_mean(ent, ent_mask),
         "losses/skipped_updates": skipped,
         **{("losses/" + k if k == "approx_kl" else k): v for k, v in diag.items()},
     }
-    if ref_logp is not None:
-        metrics["losses/kl_ref"] = losses.masked_mean(losses.k3_kl(new, ref_logp[rows]), mask[rows])
+    if kl is not None:
+        metrics["losses/kl_ref"] = losses.masked_mean(*world.gather_rows(kl, mask[rows]))
     for q, bucket in enumerate(buckets, 1):
         metrics.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return metrics
 
 
 def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptStream, cfg: LossConfig, args: Args,
-            gen: torch.Generator) -> tuple[Batch, dict]:
+            gen: torch.Generator, world: World = SINGLE) -> tuple[Batch, dict]:
     """One RL step: a rollout, its group advantages, the minibatch updates; returns the batch and its metrics."""
     t0 = time.time()
     policy.eval()
-    batch, stats = collect_rollout(policy, tokenizer, stream, args)
+    batch, stats = collect_rollout(policy, tokenizer, stream, args, world)
     policy.train()
     t1 = time.time()
     reward = torch.tensor(batch.scores["reward"])
-    adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,)
-    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen)
+    adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,) whole groups: local
+    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world)
     t2 = time.time()
     metrics.update(stats)
-    metrics.update(rollout_metrics(batch, adv, args.num_generations))
+    metrics.update(rollout_metrics(batch, adv, args.num_generations, world))
+    tokens = world.sum([float(batch.ro.lengths.sum())])[0]
     metrics.update({"charts/lr": scheduler.get_last_lr()[0], "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
-                    "perf/gen_tokens_per_s": float(batch.ro.lengths.sum()) / (t1 - t0)})
+                    "perf/gen_tokens_per_s": tokens / (t1 - t0)})
     return batch, metrics
 
 
@@ -490,28 +489,34 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: int = 0, chunk: int = 256) -> dict:
+def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: int = 0, chunk: int = 256,
+             world: World = SINGLE) -> dict:
     """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
-    problem at the training temperature."""
+    problem at the training temperature. Under torchrun each rank scores every N-th problem; the sums are shared."""
     policy.eval()
+    mine = examples[world.rank::world.size]
     correct, reward = [], []
-    for i in range(0, len(examples), chunk):
-        scores = generate_and_score(policy, tokenizer, examples[i:i + chunk], args, greedy=True).scores
+    for i in range(0, len(mine), chunk):
+        scores = generate_and_score(policy, tokenizer, mine[i:i + chunk], args, greedy=True).scores
         correct += scores["correct"]
         reward += scores["reward"]
-    out = {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(reward))}
+    sums = [float(np.sum(correct)), float(np.sum(reward))]
     if args.eval_samples:
         n = args.eval_samples
-        rows = [ex for ex in examples for _ in range(n)]
+        rows = [ex for ex in mine for _ in range(n)]
         # its own random stream, seeded by the step: sampling here must not move the training run's stream
         kind = policy.device.type
         with torch.random.fork_rng(devices=[] if kind == "cpu" else None, device_type="cuda" if kind == "cpu" else kind):
-            torch.manual_seed(args.seed * 100_003 + step)
+            torch.manual_seed(world.seed(args.seed * 100_003 + step))
             hits = [c for i in range(0, len(rows), chunk)
                     for c in generate_and_score(policy, tokenizer, rows[i:i + chunk], args).scores["correct"]]
-        per_problem = np.asarray(hits).reshape(len(examples), n).sum(1)  # (problems,) correct samples of n
-        for k in sorted({1, n}):
-            out[f"eval/pass@{k}"] = float(np.mean([rewards.pass_at_k(n, int(c), k) for c in per_problem]))
+        per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
+        ks = sorted({1, n})
+        sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
+    sums = world.sum(sums)
+    out = {"eval/accuracy": sums[0] / len(examples), "eval/reward": sums[1] / len(examples)}
+    if args.eval_samples:
+        out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
     policy.train()
     return out
 
@@ -522,24 +527,29 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
 
 
 class Logger:
-    """One metrics.jsonl per run (the sweep report reads it) and wandb with the same keys."""
+    """One metrics.jsonl per run (the sweep report reads it) and wandb with the same keys; rank 0 only."""
 
-    def __init__(self, args: Args, run_dir: Path, wandb_id: str | None = None):
-        self.file = (run_dir / "metrics.jsonl").open("a")
-        self.run = guards.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
-                                     tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
-                                     mode=guards.wandb_mode(args.wandb_mode), id=wandb_id,
-                                     resume="allow" if wandb_id else None)
+    def __init__(self, args: Args, run_dir: Path, wandb_id: str | None = None, active: bool = True):
+        self.file = self.run = None
+        if active:
+            self.file = (run_dir / "metrics.jsonl").open("a")
+            self.run = guards.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
+                                         tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
+                                         mode=guards.wandb_mode(args.wandb_mode), id=wandb_id,
+                                         resume="allow" if wandb_id else None)
 
     def log(self, metrics: dict, step: int) -> None:
+        if self.file is None:
+            return
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
         self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def finish(self) -> None:
-        self.file.close()
-        self.run.finish()
+        if self.file is not None:
+            self.file.close()
+            self.run.finish()
 
 
 def console_line(step: int, total: int, m: dict) -> str:
@@ -554,120 +564,99 @@ def console_line(step: int, total: int, m: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_prompt_lengths(tokenizer, policy, examples: list[task.Example], max_new_tokens: int,
-                         answer_format: str) -> None:
-    context = getattr(policy.config, "max_position_embeddings", None)
-    if not context:
-        return
-    prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
-    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    if lengths[longest] + max_new_tokens > context:
-        raise ConfigError(f"prompt {longest} ({examples[longest].prompt[:40]!r}...) has {lengths[longest]} tokens; "
-                          f"with --max-new-tokens {max_new_tokens} it exceeds the model's context of {context}. "
-                          "Shorten or drop such prompts, or lower --max-new-tokens")
-
-
 def train(args: Args) -> dict:
     args, cfg = resolve(args)
     run_dir = Path(args.output_dir) / args.run_name
-    guards.validate(args)  # every flag, before anything is loaded or written
+    guards.validate(args, ddp.world_size())  # every flag, before anything is loaded or written
     guards.check_writable(Path(args.output_dir))
     guards.check_run_folder(run_dir, args.resume, args.overwrite)
     resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
     state = checkpoint.load_state(resume_from) if resume_from else None
+    world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
     if state:
+        checkpoint.check_world_size(state, world.size, resume_from)
         for change in checkpoint.compare_configs(state["config"], asdict(args)):
             print(f"resume: allowed change {change}")
 
     # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
     with guards.Startup(), guards.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
         # Everything that can fail on bad input is loaded before anything is written.
-        train_set, test_set = load_data(args)
+        with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
+            train_set, test_set = load_data(args)
+            policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
         test_set = test_set[: args.eval_size or None]
-        policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
-        check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens, args.answer_format)
+        guards.check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
             start = load_policy(args)[0] if state else copy.deepcopy(policy)
             ref_policy = start.eval().requires_grad_(False)
-        folder.create()
-        (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+        world.barrier()  # every rank has checked the run folder before rank 0 writes into it
+        if world.main:
+            folder.create()
+            (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
 
-        seed_everything(args.seed)  # after loading: a warm start built just now must not shift the RNG streams
+        seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
+        world.wrap(policy)  # under torchrun: DistributedDataParallel (it checks every rank holds the same weights)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
         scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                   num_training_steps=optimizer_steps)
-        stream = PromptStream(train_set, args.seed)
-        gen = torch.Generator().manual_seed(args.seed)
+        stream = PromptStream(train_set, args.seed)  # the same order on every rank: each takes its share of a draw
+        gen = torch.Generator().manual_seed(world.seed(args.seed))
         first_step, minutes_before = 1, 0.0
         if state:
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            checkpoint.restore_rng(state["rng"], gen)
-            stream.cursor, first_step = state["cursor"], state["step"] + 1
-            minutes_before = state.get("minutes", 0.0)
-            keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
+            first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank)
+            checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
             print(f"resumed from {resume_from} at step {state['step']}")
-        logger = folder.logger = Logger(args, run_dir, wandb_id=state["wandb_id"] if state else None)
+        logger = folder.logger = Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
         if is_on_policy(args):
             print("fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward "
                   "pass and nothing clips; use --num-minibatches > 1 to see the ratios move")
         else:
             print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
                                 else "recomputed by one forward pass over each rollout before its first update"))
-        print(f"{args.algo}: {cfg}")
+        print(f"{args.algo}: {cfg}" + (f"; {world.size} processes" if world.size > 1 else ""))
         policy.train()
         if state:
             before = state["before"]
         else:
-            before = evaluate(policy, tokenizer, test_set, args, step=0)
+            before = evaluate(policy, tokenizer, test_set, args, step=0, world=world)
             logger.log(before, step=0)
         print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
 
     def save(step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
-        return checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
-            "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": rng or checkpoint.rng_state(gen), "wandb_id": logger.run.id, "before": before,
-            "minutes": minutes_before + (time.time() - start) / 60,
-        }, args.keep_checkpoints)
+        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
+        rngs = world.gather(rng or checkpoint.rng_state(gen))
+        if world.main:
+            checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
+                "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs[0],
+                "rng_ranks": rngs, "wandb_id": logger.run.id, "before": before,
+                "minutes": minutes_before + (time.time() - start) / 60,
+            }, args.keep_checkpoints)
+        world.barrier()
+        return checkpoint.path_of(run_dir / "checkpoints", step)
 
-    stop, start, streak, metrics = guards.GracefulStop(), time.time(), 0, before
+    stop, start, metrics = guards.GracefulStop(), time.time(), before
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
+    failures = guards.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
+    nonfinite = guards.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
     try:
         for step in range(first_step, args.total_steps + 1):
-            rng_at_start, cursor_at_start = checkpoint.rng_state(gen), stream.cursor
-            updates_at_start = scheduler.last_epoch  # optimizer steps taken so far
-            try:
-                _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen)
-            except DynamicSamplingError as e:  # nothing was updated this step: save the state it started from
-                path = save(step - 1, rng_at_start, cursor_at_start)
-                raise DynamicSamplingError(f"{e}. Saved {path}: {resume_hint} and a higher --max-sampling-rounds, "
-                                           "or start again with --overwrite and more --num-generations or "
-                                           "--no-dynamic-sampling")
-            except RuntimeError as e:
-                if not guards.is_out_of_memory(e):
-                    raise
-                raise guards.out_of_memory(e, step, scheduler.last_epoch == updates_at_start,
-                                           lambda: save(step - 1, rng_at_start, cursor_at_start), run_dir, resume_hint)
+            with failures(step):
+                _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen, world)
             metrics["perf/elapsed_min"] = minutes_before + (time.time() - start) / 60
             if step % args.eval_every == 0 or step == args.total_steps:
-                metrics.update(evaluate(policy, tokenizer, test_set, args, step))
+                metrics.update(evaluate(policy, tokenizer, test_set, args, step, world=world))
             logger.log(metrics, step=step)
             print(console_line(step, args.total_steps, metrics), flush=True)
-            all_skipped = metrics["losses/skipped_updates"] == args.num_minibatches * args.num_epochs
-            streak = streak + 1 if all_skipped else 0
-            if streak >= args.max_nonfinite_steps:
-                raise guards.NonFiniteError(
-                    f"{streak} steps in a row had only non-finite losses or gradients (last finite step: "
-                    f"{step - streak}); a resume would repeat them. Lower --lr or check the reward weights, then start "
-                    "again with --overwrite (or another --run-name)")
-            if (args.save_every and step % args.save_every == 0) or stop.signal:
+            nonfinite.check(step, metrics["losses/skipped_updates"])
+            stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
+            if (args.save_every and step % args.save_every == 0) or stopping:
                 path = save(step)
-            if stop.signal:
-                print(f"stopped by {stop.signal} after step {step}; saved {path}; {resume_hint}")
+            if stopping:
+                print(f"stopped by {stop.signal or 'a signal to another rank'} after step {step}; saved {path}; "
+                      f"{resume_hint}")
                 logger.finish()
                 return {"stopped_at": step, "checkpoint": str(path)}
     except BaseException:
@@ -681,23 +670,17 @@ def train(args: Args) -> dict:
                "rl_minutes": minutes}
     print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
-    if args.save_model:
-        policy.save_pretrained(run_dir / "final")
-        tokenizer.save_pretrained(run_dir / "final")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: it marks the run finished
+    if world.main:
+        if args.save_model:
+            policy.save_pretrained(run_dir / "final")
+            tokenizer.save_pretrained(run_dir / "final")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: it marks the run finished
     logger.finish()
+    world.barrier()
     return summary
 
 
-def keep_metrics_up_to(path: Path, step: int) -> None:
-    """A killed run may have logged steps after its last checkpoint; the resumed run logs them again."""
-    if path.is_file():
-        lines = [line for line in path.open() if json.loads(line)["step"] <= step]
-        path.write_text("".join(lines))
-
-
-USER_ERRORS = (ConfigError, task.TaskError, models.ModelError, checkpoint.CheckpointError, DynamicSamplingError,
-               guards.NonFiniteError, guards.OutOfMemory, guards.Interrupted)
+USER_ERRORS = guards.USER_ERRORS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -705,9 +688,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(args)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        guards.report(e, ddp.rank())
         sys.exit(2)
-
+    except RuntimeError as e:
+        if not ddp.is_peer_failure(e):
+            raise
+        guards.report(guards.PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); "
+                                         "its error is above"), ddp.rank())
+        sys.exit(2)
+    finally:
+        ddp.teardown()
 
 if __name__ == "__main__":
     main()

@@ -83,12 +83,12 @@ def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path, tiny
         return real(policy, ro, rows, args, with_entropy)
 
     monkeypatch.setattr(train, "logprobs_of", small_device)
-    monkeypatch.setattr(train, "AUTO_MICRO_BATCH", {})
+    monkeypatch.setattr(guards, "AUTO_MICRO_BATCH", {})
     _, auto, _ = run(tmp_path / "auto", tiny_policy_dir, algo="gspo", save_model=False)
     out = capsys.readouterr().out
     assert "out of memory at 8 rows" in out and "out of memory at 4 rows" in out
     assert out.count("out of memory") == 2  # remembered after the first step, not searched again
-    assert train.AUTO_MICRO_BATCH == {8: 2}
+    assert guards.AUTO_MICRO_BATCH == {8: 2}
     for a, b in zip(auto, fixed):
         assert a.keys() == b.keys()
         for key in a:
@@ -182,7 +182,7 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
     (dict(num_minibatches=3), "--num-minibatches 3 must divide"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
-    with pytest.raises(train.ConfigError, match=message):
+    with pytest.raises(guards.ConfigError, match=message):
         train.train(train.Args(**{**SMALL, **flags, "output_dir": str(tmp_path)}))
 
 
@@ -213,6 +213,6 @@ def test_boxed_without_math_verify_is_one_line_error(tmp_path, monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
-    with pytest.raises(train.ConfigError, match="pip install math-verify"):
+    with pytest.raises(guards.ConfigError, match="pip install math-verify"):
         train.train(train.Args(**{**SMALL, "answer_format": "boxed", "output_dir": str(tmp_path)}))
     assert not any(tmp_path.iterdir())  # refused before any folder was made

@@ -1,0 +1,183 @@
+"""Data parallel over N processes with torch.distributed: `torchrun --nproc-per-node N train.py ...`.
+
+What each of the N ranks does, and what is synchronised:
+    rollout     every rank draws the same global P prompts from the same stream and keeps its own P/N of them
+                (whole groups, so group advantages need no communication); its sampling RNG is its own
+    update      DistributedDataParallel all-reduces the gradients of each optimizer step; the step's normalisers
+                (B and sum |y_i|) are summed over ranks first, so every rank divides by the same constants
+    metrics     gathered from every rank, so a logged statistic is that of the whole rollout
+    eval        each rank scores every N-th held-out problem; the counts are summed
+    writing     rank 0 alone writes logs, wandb, checkpoints and the final model
+
+The normaliser pitfall: DDP *averages* gradients over ranks, which is the gradient of the whole step only when every
+rank's loss was divided by the same number. A rank that divided by its own token count (DAPO's token-mean) would
+weight the tokens of a rank with short answers more. So each rank's loss uses the global normaliser and is scaled by
+N before backward: mean_r(N * grad L_r) = sum_r grad L_r, the gradient of the one-process loss on the union.
+
+A single process (no torchrun) is the world of size 1: every method here then returns its input unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from losses import StepNorm
+
+# Seed offset between ranks: rank 0 keeps the single-process seed, so a 1-process run is unchanged.
+RANK_SEED_STRIDE = 100_003
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    cpu_group: object = None  # a gloo group for metrics and objects (the default group may be NCCL)
+    ddp_model: torch.nn.Module | None = None  # the DistributedDataParallel wrapper the update trains through
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def seed(self, seed: int) -> int:
+        return seed + RANK_SEED_STRIDE * self.rank
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous 1/N of a list whose length N divides (the rollout's prompts)."""
+        n = len(items) // self.size
+        return items[self.rank * n:(self.rank + 1) * n]
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Sums over ranks (float64), in the same order on every rank."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.cpu_group)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([float(flag)])[0] > 0 if self.size > 1 else flag
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def gather_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Row-wise concatenation over ranks of (B_r,) or (B_r, T_r) tensors; T is padded with zeros to the longest
+        rank's (a zero mask marks the padding)."""
+        if self.size == 1:
+            return tensors
+        parts = self.gather([t.detach().cpu() for t in tensors])
+        out = []
+        for i in range(len(tensors)):
+            pieces = [p[i] for p in parts]
+            if pieces[0].dim() == 2:
+                width = max(p.shape[1] for p in pieces)
+                pieces = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces]
+            out.append(torch.cat(pieces))
+        return tuple(out)
+
+    def step_norm(self, mask: torch.Tensor, max_new_tokens: int) -> StepNorm:
+        """B and sum |y_i| of an optimizer step over every rank's rows (mask: this rank's (B_r, T))."""
+        seqs, tokens = self.sum([mask.shape[0], float(mask.sum())])
+        return StepNorm(int(seqs), int(tokens), max_new_tokens)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block first (it may build a cache: the warm start, a dataset download), then the others."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+    def trainable(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """What the update's forward passes go through: the DDP wrapper (its backward all-reduces) or the policy."""
+        return self.ddp_model if self.ddp_model is not None else policy
+
+    def sync_gradients(self, last: bool):
+        """Gradient accumulation: all-reduce only on the optimizer step's last micro-batch backward."""
+        return self.ddp_model.no_sync() if self.ddp_model is not None and not last else contextlib.nullcontext()
+
+    def wrap(self, policy: torch.nn.Module) -> None:
+        if self.size > 1:
+            device = next(policy.parameters()).device
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                policy, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+
+
+SINGLE = World()
+
+
+def world_size() -> int:
+    """N processes as torchrun (or another env:// launcher) set it; 1 for a plain `python train.py`."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched() -> bool:
+    return world_size() > 1
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank died or timed out (gloo and NCCL word it differently)."""
+    text = str(e).lower()
+    return launched() and (isinstance(e, getattr(dist, "DistError", ())) or any(
+        w in text for w in ("connection closed", "connection reset", "broken pipe", "timed out", "nccl", "gloo")))
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
+
+
+def setup(device: str, timeout_min: float = 30.0) -> World:
+    """Join the process group torchrun describes: NCCL with one GPU per rank (LOCAL_RANK), else gloo.
+
+    A rank that waits longer than `timeout_min` in a collective (another rank hung) raises instead of hanging."""
+    if not launched():
+        return SINGLE
+    if dist.is_initialized():  # a second train() call in the same processes (tests)
+        return World(dist.get_rank(), dist.get_world_size(), _cpu_group())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local)  # 'cuda' now means this rank's GPU
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    if dist.get_rank() != 0:  # rank 0 speaks for all; errors still reach stderr from every rank
+        sys.stdout = open(os.devnull, "w")
+    return World(dist.get_rank(), dist.get_world_size(), _cpu_group())
+
+
+_CPU_GROUP = None
+
+
+def _cpu_group():
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _CPU_GROUP
+
+
+def teardown() -> None:
+    global _CPU_GROUP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CPU_GROUP = None
