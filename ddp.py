@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -92,6 +93,11 @@ class World:
         seqs, tokens = self.sum([mask.shape[0], float(mask.sum())])
         return StepNorm(int(seqs), int(tokens), max_new_tokens)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """DDP averages gradients over the N ranks; each rank's loss already carries the global normaliser, so it is
+        scaled by N: mean_r(N * grad L_r) = sum_r grad L_r. (Without torchrun, N = 1: a plain backward.)"""
+        (loss * self.size).backward()
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.cpu_group)
@@ -117,7 +123,7 @@ class World:
         if self.size > 1:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
-                policy, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+                policy, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
 
 
 SINGLE = World()
@@ -144,8 +150,9 @@ def is_peer_failure(e: BaseException) -> bool:
 
 
 def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:160] if text else type(e).__name__
+    """The gist of a collective's error: its first line without gloo's '[source.cc:123]' prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
+    return text.splitlines()[0][:120] if text else type(e).__name__
 
 
 def setup(device: str, timeout_min: float = 30.0) -> World:

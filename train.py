@@ -415,7 +415,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                     logp, old = logprobs_of(net, ro, rows, args), old_logp[rows]
                 loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
                                              None if ref_logp is None else ref_logp[rows], diagnostics=False)
-                (loss * world.size).backward()  # DDP averages over ranks; the normaliser is already global
+                world.backward(loss)  # under torchrun: scaled so that DDP's average over ranks is the sum
             total += loss.item()
             scored.append((rows, logp.detach(), entropy_now))
         return total, scored
@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> None:
         if not ddp.is_peer_failure(e):
             raise
         guards.report(guards.PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); "
-                                         "its error is above"), ddp.rank())
+                                         "torchrun's report names it and its exit code"), ddp.rank())
         sys.exit(2)
     finally:
         ddp.teardown()

@@ -1,0 +1,166 @@
+"""Data parallel under torchrun (2 CPU processes, gloo): exact updates, sharded evaluation, rank-0 writing, an exact
+resume, and a failure on one rank that stops the job with one line instead of a hang."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
+         "--num-minibatches", "2"]
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
+                                reason="needs torch.distributed (gloo) and Linux's /proc")
+
+
+def torchrun(n: int, script: str, argv: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
+                             script, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run_dir / "metrics.jsonl").open()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
+    """All four presets, equal and unequal completion lengths per rank, micro-batches, two epochs: the parameter
+    change of a 2-rank update equals the 1-process update on the union (float64: the split's arithmetic, not fp32
+    rounding). The same comparison with per-rank normalisers shows what the check would catch: DAPO's token-mean
+    moves by 10-50%, while the sequence-mean objectives, with equal rows per rank, do not need the global count."""
+    out = tmp_path / "exact.json"
+    code, _, err = finish(torchrun(2, "tests/ddp_exactness.py", [str(tiny_policy_dir), str(out)]))
+    assert code == 0, err[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 16
+    for name, r in results.items():
+        assert r["rel_diff"] < 1e-6, (name, r)
+        assert r["delta_norm"] > 0, name  # the update moved something
+    assert results["dapo/unequal"]["tokens_per_rank"][0] < results["dapo/unequal"]["tokens_per_rank"][1]
+    for case in ("equal", "unequal", "micro", "two-epochs"):
+        assert results[f"dapo/{case}"]["rel_diff_local_norm"] > 1e-2  # the pitfall is visible
+        assert results[f"gspo/{case}"]["rel_diff_local_norm"] < 1e-6
+
+
+def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
+    """A 2-process DAPO run (dynamic sampling: ranks draw extra rounds together) finishes; its first evaluation, sharded
+    over ranks, equals the 1-process one; rank 0 alone wrote one line per step; the final model and summary exist."""
+    argv = ["--model", str(tiny_policy_dir), "--algo", "dapo", "--total-steps", "4", "--eval-every", "2",
+            "--max-sampling-rounds", "30", "--output-dir", str(tmp_path / "two")] + SMALL
+    code, out, err = finish(torchrun(2, "train.py", argv))
+    assert code == 0, err[-3000:]
+    assert "2 processes" in out and out.count("held-out accuracy before") == 1  # rank 0 speaks for all
+    run = tmp_path / "two" / "dapo-s0"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert any(r["dynamic/drawn"] > 4 for r in rows[1:])  # extra rounds happened, in step on both ranks
+    assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
+    one = subprocess.run([sys.executable, "train.py", *argv[:-len(SMALL) - 2], "--output-dir", str(tmp_path / "one"),
+                          "--total-steps", "1", *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0, one.stderr[-2000:]
+    first = metrics(tmp_path / "one" / "dapo-s0")[0]
+    assert first["eval/accuracy"] == rows[0]["eval/accuracy"]  # the same greedy answers, counted on two ranks
+    assert first["eval/reward"] == pytest.approx(rows[0]["eval/reward"], rel=1e-12)  # summed in another order
+
+
+def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--algo", "grpo", "--total-steps", "30", "--save-every", "2",
+            "--eval-every", "10"] + SMALL
+    code, _, err = finish(torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "ref")]))
+    assert code == 0, err[-3000:]
+    victim = torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "kill")])
+    ckpts = tmp_path / "kill" / "grpo-s0" / "checkpoints"
+    deadline = time.time() + 120
+    while not checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 1.0))  # within the next steps
+    for pid in [p.pid for p in workers(victim.pid)] + [victim.pid]:  # both ranks and torchrun, as a lost machine
+        os.kill(pid, signal.SIGKILL)  # (torchrun starts its workers in sessions of their own: killpg misses them)
+    victim.communicate()
+    assert not (tmp_path / "kill" / "grpo-s0" / "summary.json").exists()
+    code, out, err = finish(torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "kill"), "--resume", "auto"]))
+    assert code == 0 and "resumed from" in out, err[-3000:]
+    ref, kill = tmp_path / "ref" / "grpo-s0", tmp_path / "kill" / "grpo-s0"
+    wa, wb = final_weights(ref), final_weights(kill)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics(ref) == metrics(kill)
+    # the checkpoint holds both ranks' RNG streams: one process cannot continue it exactly, and says so
+    one = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "kill"), "--resume",
+                          str(checkpoint.all_checkpoints(kill / "checkpoints")[-1]), "--run-name", "again"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 2 and "written by 2 processes" in one.stderr and "torchrun --nproc-per-node 2" in one.stderr
+    assert len(one.stderr.strip().splitlines()) == 1
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), *SMALL, "--num-prompts", "3"]
+    code, _, err = finish(torchrun(2, "train.py", argv), timeout=120)
+    assert code != 0
+    assert error_lines(err) == ["error: --num-prompts 3 is not divisible by the 2 processes (each takes whole prompt "
+                                "groups); use a multiple of 2"]
+    assert not (tmp_path / "gspo-s0").exists()
+
+
+def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir):
+    """SIGKILL one rank mid-run (a crashed process, an OOM kill): the other leaves its collective with one line and
+    torchrun ends the job, within seconds, not at the process group's 30-minute timeout."""
+    argv = ["--model", str(tiny_policy_dir), "--total-steps", "100000", "--output-dir", str(tmp_path)] + SMALL
+    job = torchrun(2, "train.py", argv)
+    deadline = time.time() + 120
+    while not (tmp_path / "gspo-s0" / "metrics.jsonl").is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # inside the training steps
+    rank1 = [w.pid for w in workers(job.pid) if w.rank == 1]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    t0 = time.time()
+    code, _, err = finish(job, timeout=90)
+    assert code != 0 and time.time() - t0 < 60
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("error: another process of this torchrun job stopped"), err[-3000:]
+
+
+class Worker:
+    def __init__(self, pid: int, rank: int):
+        self.pid, self.rank = pid, rank
+
+
+def workers(parent: int) -> list[Worker]:
+    """The processes torchrun `parent` started, with their RANK (read from /proc)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"RANK" in env:
+            found.append(Worker(int(proc.name), int(env[b"RANK"])))
+    return found
