@@ -14,6 +14,7 @@ Every error a user can cause is one of USER_ERRORS: train.main prints it as one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import ddp
 import model as models
 import rewards
 import task
@@ -125,6 +127,23 @@ def working_schedulers() -> list[str]:
     return names
 
 
+def preflight(args, run_dir: Path, world_size: int = 1):
+    """Everything that can be checked before a byte is loaded or written: the flags, the output folder, the run
+    folder (a finished run is never replaced) and the checkpoint --resume names. Returns (checkpoint path, its state)
+    or (None, None)."""
+    validate(args, world_size)
+    check_writable(Path(args.output_dir))
+    check_run_folder(run_dir, args.resume, args.overwrite)
+    resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
+    if resume_from is None:
+        return None, None
+    state = checkpoint.load_state(resume_from)
+    checkpoint.check_world_size(state, world_size, resume_from)
+    for change in checkpoint.compare_configs(state["config"], asdict(args)):
+        print(f"resume: allowed change {change}")
+    return resume_from, state
+
+
 def validate(args, world_size: int = 1) -> None:
     """Every flag on its own and against the others (and against torchrun's process count); the first wrong one is
     a ConfigError."""
@@ -141,6 +160,10 @@ def validate(args, world_size: int = 1) -> None:
     if (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
         raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide each process's "
                           f"{args.num_prompts // world_size}x{args.num_generations} rows")
+    if world_size > 1 and (args.device not in ("auto", "cpu", "cuda") or (
+            args.device == "auto" and not torch.cuda.is_available() and torch.backends.mps.is_available())):
+        raise ConfigError(f"--device {args.device} under torchrun: each rank takes its own GPU (LOCAL_RANK) with "
+                          "--device auto or cuda; without CUDA, use --device cpu (gloo cannot reduce MPS tensors)")
     if args.lr_scheduler not in (names := working_schedulers()):
         raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
     name = args.run_name
@@ -458,8 +481,8 @@ class NonFiniteStreak:
         if self.streak >= self.limit:
             raise NonFiniteError(
                 f"{self.streak} steps in a row had only non-finite losses or gradients (last finite step: "
-                f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then start "
-                "again with --overwrite (or another --run-name)")
+                f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then "
+                "start again with --overwrite (or another --run-name)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -483,6 +506,25 @@ def check_prompt_lengths(tokenizer, policy, examples: list, max_new_tokens: int,
 USER_ERRORS = (ConfigError, checkpoint.CheckpointError, models.ModelError, task.TaskError, DynamicSamplingError,
                NonFiniteError, OutOfMemory, Interrupted)
 PER_RANK = (OutOfMemory, PeerFailure)  # the errors one rank can meet alone; every rank meets the others the same way
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around train(): a user error (USER_ERRORS, or under torchrun a collective that failed because another rank
+    died) is printed as one line and exits with code 2; anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        report(e, ddp.rank())
+        sys.exit(2)
+    except RuntimeError as e:
+        if not ddp.is_peer_failure(e):
+            raise
+        report(PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); torchrun's report "
+                           "names it and its exit code"), ddp.rank())
+        sys.exit(2)
+    finally:
+        ddp.teardown()
 
 
 def report(e: BaseException, rank: int) -> None:

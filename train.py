@@ -1,4 +1,6 @@
-"""GRPO-family RL for language models, one process: `python train.py --algo gspo`.
+"""GRPO-family RL for language models: `python train.py --algo gspo`.
+
+Data parallel over N processes: `torchrun --nproc-per-node N train.py --algo gspo` (see ddp.py).
 
 Each step: draw P prompts, sample G completions each, verify them, compute group advantages.
 
@@ -17,7 +19,6 @@ import copy
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -567,16 +568,9 @@ def console_line(step: int, total: int, m: dict) -> str:
 def train(args: Args) -> dict:
     args, cfg = resolve(args)
     run_dir = Path(args.output_dir) / args.run_name
-    guards.validate(args, ddp.world_size())  # every flag, before anything is loaded or written
-    guards.check_writable(Path(args.output_dir))
-    guards.check_run_folder(run_dir, args.resume, args.overwrite)
-    resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
-    state = checkpoint.load_state(resume_from) if resume_from else None
+    # every flag, the run folder and the checkpoint to resume from, before anything is loaded or written
+    resume_from, state = guards.preflight(args, run_dir, ddp.world_size())
     world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
-    if state:
-        checkpoint.check_world_size(state, world.size, resume_from)
-        for change in checkpoint.compare_configs(state["config"], asdict(args)):
-            print(f"resume: allowed change {change}")
 
     # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
     with guards.Startup(), guards.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
@@ -685,19 +679,9 @@ USER_ERRORS = guards.USER_ERRORS
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, description=__doc__, args=argv)
-    try:
+    with guards.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
         train(args)
-    except USER_ERRORS as e:
-        guards.report(e, ddp.rank())
-        sys.exit(2)
-    except RuntimeError as e:
-        if not ddp.is_peer_failure(e):
-            raise
-        guards.report(guards.PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); "
-                                         "torchrun's report names it and its exit code"), ddp.rank())
-        sys.exit(2)
-    finally:
-        ddp.teardown()
+
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,6 @@ sums taken in another order and of matmuls of another batch shape is ~3e-6 relat
 import copy
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
