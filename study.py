@@ -188,9 +188,8 @@ def failed(run: dict) -> bool:
 
 
 def length_drift(run: dict, key: str) -> float:
-    """Mean of `key` over the last 10 steps minus over the first 10."""
-    y = series(run, key)[1]
-    return float(y[-10:].mean() - y[:10].mean()) if len(y) >= 20 else math.nan
+    """Mean of `key` over the last 10 steps minus over the first 10; nan for a run too short for two windows."""
+    return sweep.drift(run, key) if len(series(run, key)[1]) >= 20 else math.nan
 
 
 # ---------------------------------------------------------------------------------------------------------------

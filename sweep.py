@@ -143,6 +143,12 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts])) if pts else (np.array([]), np.array([]))
 
 
+def drift(run: dict, key: str, window: int = 10) -> float:
+    """Mean of `key` over the last `window` logged steps minus over the first `window` (nan if never logged)."""
+    y = series(run, key)[1]
+    return float(y[-window:].mean() - y[:window].mean()) if len(y) else math.nan
+
+
 def steps_to(run: dict, threshold: float) -> float:
     """The first evaluated step at which held-out accuracy reaches `threshold` (nan if it never does)."""
     s, acc = series(run, "eval/accuracy")
@@ -198,16 +204,13 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
         reach = [steps_to(r, threshold) for r in rs]
         def mean_of(key):  # noqa: E306
             return float(np.mean([np.nanmean(series(r, key)[1]) for r in rs]))
-        def length_change(r):  # noqa: E306
-            y = series(r, "charts/completion_len")[1]
-            return float(y[-10:].mean() - y[:10].mean())
         rows.append({
             "algo": algo, "setting": setting, "runs": len(rs),
             "accuracy_before": float(np.mean([r["summary"]["accuracy_before"] for r in rs])),
             "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": float(np.std(final)),
             f"steps_to_{threshold:g}": float(np.nanmean(reach)) if not all(map(math.isnan, reach)) else float("nan"),
             "clip_frac_mean": mean_of("clip/frac"), "token_ratio_var_mean": mean_of("ratio/token_var"),
-            "length_change": float(np.mean([length_change(r) for r in rs])),
+            "length_change": float(np.mean([drift(r, "charts/completion_len") for r in rs])),
             "minutes_mean": float(np.mean([r["summary"]["rl_minutes"] for r in rs])),
         })
     return rows
