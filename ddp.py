@@ -40,6 +40,7 @@ class World:
     rank: int = 0
     size: int = 1
     cpu_group: object = None  # a gloo group for metrics and objects (the default group may be NCCL)
+    distributed: bool = False  # in a process group (torchrun), even of one process: train through DDP
     ddp_model: torch.nn.Module | None = None  # the DistributedDataParallel wrapper the update trains through
 
     @property
@@ -120,7 +121,7 @@ class World:
         return self.ddp_model.no_sync() if self.ddp_model is not None and not last else contextlib.nullcontext()
 
     def wrap(self, policy: torch.nn.Module) -> None:
-        if self.size > 1:
+        if self.distributed:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 policy, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
@@ -139,7 +140,9 @@ def rank() -> int:
 
 
 def launched() -> bool:
-    return world_size() > 1
+    """Started by torchrun, even with one process: `torchrun --nproc-per-node 1` runs the distributed code path
+    (process group, DDP) and must give exactly the metrics of `python train.py` (tested)."""
+    return "WORLD_SIZE" in os.environ
 
 
 def is_peer_failure(e: BaseException) -> bool:
@@ -162,7 +165,7 @@ def setup(device: str, timeout_min: float = 30.0) -> World:
     if not launched():
         return SINGLE
     if dist.is_initialized():  # a second train() call in the same processes (tests)
-        return World(dist.get_rank(), dist.get_world_size(), _cpu_group())
+        return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()
     if on_gpu:
@@ -170,7 +173,7 @@ def setup(device: str, timeout_min: float = 30.0) -> World:
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
     if dist.get_rank() != 0:  # rank 0 speaks for all; errors still reach stderr from every rank
         sys.stdout = open(os.devnull, "w")
-    return World(dist.get_rank(), dist.get_world_size(), _cpu_group())
+    return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True)
 
 
 _CPU_GROUP = None

@@ -600,7 +600,8 @@ def train(args: Args) -> dict:
         first_step, minutes_before = 1, 0.0
         if state:
             first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank)
-            checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
+            if world.main:  # the one writer of the run folder
+                checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
             print(f"resumed from {resume_from} at step {state['step']}")
         logger = folder.logger = Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
         if is_on_policy(args):

@@ -86,7 +86,7 @@ def main(model_dir: str, out: str, dtype: str = "float64") -> None:
             shard = train.select_groups(batch, mine, g)
             tokens = world.gather(int(shard.ro.lengths.sum()))
             d_ddp = one_update(copy.deepcopy(policy), shard, adv[rows], cfg, args, world)
-            wrong = LocalNormWorld(world.rank, world.size, world.cpu_group)
+            wrong = LocalNormWorld(world.rank, world.size, world.cpu_group, distributed=True)
             d_wrong = one_update(copy.deepcopy(policy), shard, adv[rows], cfg, args, wrong)
             if world.main:
                 d_one = one_update(copy.deepcopy(policy), batch, adv, cfg, args, ddp.SINGLE)

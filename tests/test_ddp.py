@@ -86,6 +86,19 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     assert first["eval/reward"] == pytest.approx(rows[0]["eval/reward"], rel=1e-12)  # summed in another order
 
 
+def test_one_process_under_torchrun_is_the_plain_run(tmp_path, tiny_policy_dir):
+    """`torchrun --nproc-per-node 1` goes through the process group and DDP (the code path of N GPUs, checkable on
+    one) and must change nothing: the same metrics, bit for bit, as `python train.py`."""
+    argv = ["--model", str(tiny_policy_dir), "--algo", "dapo", "--total-steps", "3", "--eval-every", "3",
+            "--max-sampling-rounds", "30", "--no-save-model"] + SMALL
+    code, out, err = finish(torchrun(1, "train.py", argv + ["--output-dir", str(tmp_path / "torchrun")]))
+    assert code == 0, err[-3000:]
+    plain = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "plain")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert metrics(tmp_path / "torchrun" / "dapo-s0") == metrics(tmp_path / "plain" / "dapo-s0")
+
+
 def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
     argv = ["--model", str(tiny_policy_dir), "--algo", "grpo", "--total-steps", "30", "--save-every", "2",
             "--eval-every", "10"] + SMALL
