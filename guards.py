@@ -14,7 +14,9 @@ Every error a user can cause is one of USER_ERRORS: train.main prints it as one 
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -22,6 +24,8 @@ import shutil
 import signal
 import socket
 import sys
+import textwrap
+import types
 import urllib.parse
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -106,6 +110,17 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
     (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
 ]
+
+
+def docstrings_as_help(cls):
+    """Hand each dataclass field's docstring to tyro as its --help text, as one paragraph. (tyro 1.0.17 removes single
+    line breaks before dedenting, so a field docstring's indented continuation lines stay hard breaks in --help.)"""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            f = cls.__dataclass_fields__[node.target.id]
+            f.metadata = types.MappingProxyType({**f.metadata, "help": " ".join(str(after.value.value).split())})
+    return cls
 
 
 def working_schedulers() -> list[str]:
