@@ -148,10 +148,9 @@ def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir
     torchrun ends the job, within seconds, not at the process group's 30-minute timeout."""
     argv = ["--model", str(tiny_policy_dir), "--total-steps", "100000", "--output-dir", str(tmp_path)] + SMALL
     job = torchrun(2, "train.py", argv)
-    deadline = time.time() + 120
-    while not (tmp_path / "gspo-s0" / "metrics.jsonl").is_file() and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)  # inside the training steps
+    log, deadline = tmp_path / "gspo-s0" / "metrics.jsonl", time.time() + 120
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.1)  # past start-up (where a signal from torchrun would mean "interrupted"), inside the steps
     rank1 = [w.pid for w in workers(job.pid) if w.rank == 1]
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGKILL)
