@@ -124,9 +124,14 @@ def compare_configs(saved: dict, current: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed if k != "resume"]
 
 
+def rank_rngs(state: dict) -> list[dict]:
+    """The RNG states of every rank, in rank order (a checkpoint from before data parallel holds one, as "rng")."""
+    return state["rng_ranks"] if "rng_ranks" in state else [state["rng"]]
+
+
 def check_world_size(state: dict, world_size: int, path: Path) -> None:
     """A checkpoint holds one RNG state per process; an exact resume needs the same number of processes."""
-    saved = len(state.get("rng_ranks", [state.get("rng")]))
+    saved = len(rank_rngs(state))
     if saved != world_size:
         how = "python train.py" if saved == 1 else f"torchrun --nproc-per-node {saved} train.py"
         raise CheckpointError(f"{path} was written by {saved} process{'es' if saved > 1 else ''}, this run has "
@@ -138,7 +143,7 @@ def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, ran
     already spent)."""
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    restore_rng(state.get("rng_ranks", [state["rng"]])[rank], gen)
+    restore_rng(rank_rngs(state)[rank], gen)
     stream.cursor = state["cursor"]
     return state["step"] + 1, state.get("minutes", 0.0)
 

@@ -74,15 +74,18 @@ class World:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
-    def gather_rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Row-wise concatenation over ranks of (B_r,) or (B_r, T_r) tensors; T is padded with zeros to the longest
-        rank's (a zero mask marks the padding)."""
+    def gather_rows(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Row-wise concatenation over ranks of (B_r,) or (B_r, T_r) tensors, in one collective; T is padded with
+        zeros to the longest rank's (a zero mask marks the padding). A None stays None."""
         if self.size == 1:
             return tensors
-        parts = self.gather([t.detach().cpu() for t in tensors])
+        parts = self.gather([None if t is None else t.detach().cpu() for t in tensors])
         out = []
         for i in range(len(tensors)):
             pieces = [p[i] for p in parts]
+            if pieces[0] is None:
+                out.append(None)
+                continue
             if pieces[0].dim() == 2:
                 width = max(p.shape[1] for p in pieces)
                 pieces = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces]

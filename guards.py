@@ -82,8 +82,6 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
     (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
     (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
-    (lambda a: a.num_minibatches < 1 or (a.num_prompts * a.num_generations) % a.num_minibatches,
-     "--num-minibatches {num_minibatches} must divide the rollout's {num_prompts}x{num_generations} rows"),
     (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "
                                        "them to the machine"),
     (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
@@ -172,8 +170,9 @@ def validate(args, world_size: int = 1) -> None:
     if args.num_prompts % world_size:
         raise ConfigError(f"--num-prompts {args.num_prompts} is not divisible by the {world_size} processes (each takes "
                           f"whole prompt groups); use a multiple of {world_size}")
-    if (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
-        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide each process's "
+    if args.num_minibatches < 1 or (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
+        rollout = "the rollout's" if world_size == 1 else "each process's"
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide {rollout} "
                           f"{args.num_prompts // world_size}x{args.num_generations} rows")
     if world_size > 1 and (args.device not in ("auto", "cpu", "cuda") or (
             args.device == "auto" and not torch.cuda.is_available() and torch.backends.mps.is_available())):
@@ -429,6 +428,9 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
+AUTO_MICRO_BATCH: dict[int, int] = {}  # rows of an optimizer step -> micro-batch size that fits
+
+
 def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
     """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
     each out-of-memory error, calls `reset` (drop the partial gradient) and retries at half; the size that fits is
@@ -445,9 +447,6 @@ def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
             free_cached_memory()
             micro = AUTO_MICRO_BATCH[rows] = micro // 2
             print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
-
-
-AUTO_MICRO_BATCH: dict[int, int] = {}  # rows of an optimizer step -> micro-batch size that fits
 
 
 # ---------------------------------------------------------------------------------------------------------------

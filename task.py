@@ -36,7 +36,6 @@ DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
 MAX_STEPS = 4
 
 
-
 @dataclass(frozen=True)
 class Example:
     prompt: str
@@ -284,8 +283,7 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
     if path.suffix in (".jsonl", ".json", ".txt"):
         return heldout_split(load_jsonl(path, prompt_field or "prompt", answer_field or "answer"))
     if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        raise TaskError(f"dataset {path} is a folder; pass a JSONL file of {{\"prompt\", \"answer\"}} rows or a "
-                        "folder written by `datasets`' save_to_disk")
+        raise TaskError(f"dataset {path} is a folder; {ROWS_HINT} or a folder written by `datasets`' save_to_disk")
     looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_local and not path.exists():
         raise TaskError(f"dataset file {name} does not exist; {ROWS_HINT}")

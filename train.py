@@ -309,7 +309,7 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args, world: 
     is all 0 or all 1 are dropped and more prompts drawn, up to max_sampling_rounds rollouts; filtering uses raw
     correctness. Every rank reads every global draw (one prompt cursor) and goes on until all ranks are full."""
     g, kept, drawn, all_correct, uniform = args.num_generations, [], 0, [], []
-    n_rows, n_kept = args.num_prompts // world.size * g, 0  # this rank's rows
+    n_rows, n_kept, short = args.num_prompts // world.size * g, 0, True  # this rank's rows; any rank still short?
     for _ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
         examples = world.shard(stream.take(args.num_prompts))
         drawn += args.num_prompts
@@ -319,7 +319,7 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args, world: 
             all_correct.append(correct)
             if not args.dynamic_sampling:
                 kept.append(batch)
-                n_kept = n_rows
+                n_kept, short = n_rows, False
                 break
             is_mixed = correct.max(1).values != correct.min(1).values  # (P/N,)
             mixed = is_mixed.nonzero().flatten().tolist()
@@ -328,9 +328,10 @@ def collect_rollout(policy, tokenizer, stream: PromptStream, args: Args, world: 
             if mixed:
                 kept.append(select_groups(batch, mixed, g))
                 n_kept += len(mixed) * g
-        if not world.any(n_kept < n_rows):
+        short = world.any(n_kept < n_rows)
+        if not short:
             break
-    if world.any(n_kept < n_rows):
+    if short:
         found = sum(min(n, n_rows) for n in world.gather(n_kept))
         raise DynamicSamplingError(
             f"dynamic sampling found {found // g} of {args.num_prompts} prompt groups with mixed "
@@ -443,23 +444,22 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     rows = torch.cat([r for r, _, _ in seen])
     new = torch.cat([lp for _, lp, _ in seen])
     old_all = new if on_policy else old_logp[rows]
-    if on_policy:
-        ent, ent_mask = world.gather_rows(torch.cat([e for _, _, e in seen]), mask[rows])
-    else:
-        ent, ent_mask = world.gather_rows(entropy, mask)
+    entropy_seen = torch.cat([e for _, _, e in seen]) if on_policy else None
     kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
-    new, old_all, adv_seen, mask_seen = world.gather_rows(new, old_all, adv[rows], mask[rows])
+    new, old_all, adv_seen, mask_seen, entropy_seen, kl = world.gather_rows(new, old_all, adv[rows], mask[rows],
+                                                                            entropy_seen, kl)
     diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)
     buckets = losses.length_bucket_stats(new, old_all, mask_seen)
     metrics = {
         "losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
         "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-        "losses/entropy": losses.masked_mean(ent, ent_mask),
+        "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
+        else losses.masked_mean(*world.gather_rows(entropy, mask)),  # pi_old's, over the whole rollout
         "losses/skipped_updates": skipped,
         **{("losses/" + k if k == "approx_kl" else k): v for k, v in diag.items()},
     }
     if kl is not None:
-        metrics["losses/kl_ref"] = losses.masked_mean(*world.gather_rows(kl, mask[rows]))
+        metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
     for q, bucket in enumerate(buckets, 1):
         metrics.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return metrics
@@ -625,8 +625,8 @@ def train(args: Args) -> dict:
         if world.main:
             checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
                 "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs[0],
-                "rng_ranks": rngs, "wandb_id": logger.run.id, "before": before,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng_ranks": rngs,
+                "wandb_id": logger.run.id, "before": before,
                 "minutes": minutes_before + (time.time() - start) / 60,
             }, args.keep_checkpoints)
         world.barrier()
