@@ -142,6 +142,11 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_world_size() -> int:
+    """The processes torchrun starts on this machine (--nproc-per-node); each needs a GPU of its own under NCCL."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
 def launched() -> bool:
     """Started by torchrun, even with one process: `torchrun --nproc-per-node 1` runs the distributed code path
     (process group, DDP) and must give exactly the metrics of `python train.py` (tested)."""
@@ -173,7 +178,8 @@ def setup(device: str, timeout_min: float = 30.0) -> World:
     on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(local)  # 'cuda' now means this rank's GPU
-    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=timeout_min),
+                            device_id=torch.device("cuda", local) if on_gpu else None)  # NCCL set-up errors now
     if dist.get_rank() != 0:  # rank 0 speaks for all; errors still reach stderr from every rank
         sys.stdout = open(os.devnull, "w")
     return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True)

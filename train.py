@@ -15,6 +15,13 @@ so the ratios, their variance and the clip fractions (the GSPO paper's subject) 
 
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ctrl-C while the libraries below load (seconds): one line, not an import traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit("interrupted before start-up; nothing was written"))
+
 import copy
 import json
 import math
@@ -506,8 +513,8 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
         n = args.eval_samples
         rows = [ex for ex in mine for _ in range(n)]
         # its own random stream, seeded by the step: sampling here must not move the training run's stream
-        kind = policy.device.type
-        with torch.random.fork_rng(devices=[] if kind == "cpu" else None, device_type="cuda" if kind == "cpu" else kind):
+        device = policy.device  # fork this rank's device only (by default fork_rng touches every GPU of the machine)
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device.index or 0], device_type=device.type):
             torch.manual_seed(world.seed(args.seed * 100_003 + step))
             hits = [c for i in range(0, len(rows), chunk)
                     for c in generate_and_score(policy, tokenizer, rows[i:i + chunk], args).scores["correct"]]

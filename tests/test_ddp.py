@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,22 @@ def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
     assert error_lines(err) == ["error: --num-prompts 3 is not divisible by the 2 processes (each takes whole prompt "
                                 "groups); use a multiple of 2"]
     assert not (tmp_path / "gspo-s0").exists()
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    """NCCL needs a GPU per process: torchrun with 2 processes on a 1-GPU machine is refused before any set-up."""
+    import guards
+    import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = train.resolve(train.Args(wandb_mode="disabled"))[0]
+    with pytest.raises(guards.ConfigError, match=r"starts 2 processes on this machine but it has 1 GPU.*"
+                                                  r"--nproc-per-node 1 \(or --device cpu\)"):
+        guards.validate(args, world_size=2)
+    guards.validate(replace(args, device="cpu"), world_size=2)  # gloo on the CPU: any number of processes
 
 
 def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir):

@@ -275,6 +275,19 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
 
 
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_before_start_up_is_one_line(tmp_path, tiny_policy_dir, delay):
+    """Ctrl-C while torch/transformers are still importing (0.3 s) or while flags are checked: one line, no
+    traceback, nothing written."""
+    proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "2"] + SMALL, tmp_path)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1].startswith(("interrupted", "error: interrupted")), out
+    assert not (tmp_path / "gspo-s0").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Numerical guards
 # ---------------------------------------------------------------------------------------------------------------
