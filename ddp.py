@@ -157,7 +157,8 @@ def is_peer_failure(e: BaseException) -> bool:
     """A collective that failed because another rank died or timed out (gloo and NCCL word it differently)."""
     text = str(e).lower()
     return launched() and (isinstance(e, getattr(dist, "DistNetworkError", ())) or any(w in text for w in (
-        "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "aborted", "watchdog")))
+        "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "aborted", "watchdog",
+        "remote process")))  # the last: NCCL's ncclRemoteError ("... a remote process exiting prematurely")
 
 
 def first_line(e: BaseException) -> str:

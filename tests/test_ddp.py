@@ -160,6 +160,21 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     guards.validate(replace(args, device="cpu"), world_size=2)  # gloo on the CPU: any number of processes
 
 
+def test_peer_failures_are_told_apart_from_bugs(monkeypatch):
+    import ddp
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "
+                        "NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a "
+                        "remote process exiting prematurely.")
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not ddp.is_peer_failure(gloo)  # no torchrun: no other process to blame
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert ddp.is_peer_failure(gloo) and ddp.is_peer_failure(nccl) and not ddp.is_peer_failure(bug)
+    assert ddp.first_line(gloo) == "Connection closed by peer [127.0.0.1]:1"
+
+
 def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir):
     """SIGKILL one rank mid-run (a crashed process, an OOM kill): the other leaves its collective with one line and
     torchrun ends the job, within seconds, not at the process group's 30-minute timeout."""
