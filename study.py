@@ -5,7 +5,7 @@
     python study.py --report-only        # rebuild docs/study/ from the finished runs
 
 Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
-completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps. The cells:
+completions per rollout) for 40 RL steps (long120: 120), held-out greedy accuracy every 5 steps. The cells:
 
     base      the four paper presets, lr 5e-5, 4 minibatches per rollout    claims 1, 2, 4; the baseline of 3 and 5
     eh02      dapo with --epsilon-high 0.2 (clip-higher off)                claim 5
@@ -13,6 +13,8 @@ completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps
     stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
     stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
     stale16-kl  the same swap in the stale16 regime                         claim 3: the KL anchor at the base lr
+    long120   grpo and dr_grpo as in base, for 120 RL steps                 claim 4 at 3x the horizon (its first 40
+                                                                            steps repeat base's runs exactly)
 
 The rule for every comparison: two cells differ only when their mean ± std intervals over seeds do not overlap.
 The report (verdict table, one figure per claim, CSV of every run) goes to docs/study/.
@@ -42,6 +44,7 @@ CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
     "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
     "stale16-kl": (("grpo", "gspo"), {"num_minibatches": "16", "beta": "__swap__"}),
+    "long120": (("grpo", "dr_grpo"), {"total_steps": str(3 * STEPS)}),
 }
 KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
 COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
@@ -98,7 +101,8 @@ def load(runs_dir: Path) -> list[dict]:
             continue  # still running, or interrupted: not a result yet
         flags = json.loads(flags_file.read_text())
         out.append({"name": d.name, "cell": d.name.rsplit("-", 2)[0], "algo": flags["algo"],
-                    "seed": int(flags["seed"]), "rows": rows, "stopped": stopped})
+                    "seed": int(flags["seed"]), "total_steps": int(flags.get("total_steps", STEPS)), "rows": rows,
+                    "stopped": stopped})
     return out
 
 
@@ -197,7 +201,7 @@ def length_drift(run: dict, key: str) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 CELL_STYLES = {"base": "-", "eh02": "--", "stale16": (0, (5, 1, 1, 1, 1, 1)), "stale": ":",  # one line style
-               "stale-kl": "-.", "stale16-kl": (0, (1, 2))}  # per cell, in every figure
+               "stale-kl": "-.", "stale16-kl": (0, (1, 2)), "long120": (0, (8, 2))}  # per cell, in every figure
 
 
 def style(cell: str, algo: str) -> dict:
@@ -263,6 +267,13 @@ def matched_beta(acc: dict, cell: str) -> str:
             verdict = "same by the rule" if not differ(a, b) else ("GSPO higher" if b[0] > a[0] else "GRPO higher")
             parts.append(f"β={beta}: GRPO {fmt(a)} vs GSPO {fmt(b)} ({verdict})")
     return f"; at equal β, final accuracy: {', '.join(parts)}" if parts else ""
+
+
+def length_bias_verdict(grpo: tuple[float, float], dr_grpo: tuple[float, float]) -> str:
+    """Claim 4 in one cell: GRPO's incorrect answers lengthen, and more than Dr.GRPO's by the rule."""
+    if not comparable(grpo, dr_grpo):
+        return "inconclusive"
+    return "reproduced" if grpo[0] > 0 and differ(grpo, dr_grpo) and grpo[0] > dr_grpo[0] else "not reproduced"
 
 
 def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
@@ -341,18 +352,18 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
                  "verdict": verdict3})
     # 4. length bias
     drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
-             for c in ("base",) + STALE_CELLS for a in ("grpo", "dr_grpo")}
+             for c in ("base", "long120") + STALE_CELLS for a in ("grpo", "dr_grpo")}
     numbers["len_incorrect_drift"] = drift
-    g, d = drift[("base", "grpo")], drift[("base", "dr_grpo")]
-    v4 = "inconclusive" if not comparable(g, d) else \
-        "reproduced" if g[0] > 0 and differ(g, d) and g[0] > d[0] else "not reproduced"
+    judged = {c: length_bias_verdict(drift[(c, "grpo")], drift[(c, "dr_grpo")]) for c in ("base", "long120")}
+    judged = {c: v for c, v in judged.items() if v != "inconclusive"} or {"base": "inconclusive"}
     rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
                  "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
-                 "measured": f"incorrect-answer length, last 10 minus first 10 steps (tokens): GRPO {fmt(g, 2)}, "
-                             f"Dr.GRPO {fmt(d, 2)} (base)" + "".join(
-                                 f"; {c}: GRPO {fmt(drift[(c, 'grpo')], 2)}, Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}"
-                                 for c in STALE_CELLS if comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
-                 "verdict": v4})
+                 "measured": "incorrect-answer length, last 10 minus first 10 steps (tokens): " + "; ".join(
+                     f"{c}{' (120 steps)' if c == 'long120' else ''}: GRPO {fmt(drift[(c, 'grpo')], 2)}, "
+                     f"Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}" for c in ("base", "long120") + STALE_CELLS
+                     if c == "base" or comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
+                 "verdict": next(iter(judged.values())) if len(set(judged.values())) == 1 else
+                 "; ".join(f"{'40' if c == 'base' else '120'} steps: {v}" for c, v in judged.items())})
     # 5. clip-higher and entropy
     ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=STEPS - 9) for r in cell_runs(runs, c, a)])
            for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"))}
@@ -468,7 +479,7 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
 
     # claim 4: lengths of correct and incorrect completions, GRPO vs Dr.GRPO
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for c, a, rs in each(("base", "stale"), ("grpo", "dr_grpo")):
+    for c, a, rs in each(("base", "long120", "stale"), ("grpo", "dr_grpo")):
         band(axes[0], rs, "charts/len_incorrect", label(c, a, rs), **style(c, a))
         band(axes[1], rs, "charts/len_correct", label(c, a, rs), **style(c, a))
     axes[0].set(title="mean length of incorrect completions", xlabel="RL step", ylabel="tokens")
@@ -506,7 +517,7 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
                 "collapse_step": collapse_step(r), "stopped": r["stopped"] or "", "failed": failed(r),
                 "clip_frac_mean": run_mean(r, "clip/frac"), "token_ratio_var_mean": run_mean(r, "ratio/token_var"),
                 "exp_logsum": length_exponent(r, "std_logsum"), "exp_log_s": length_exponent(r, "std_log_s"),
-                "entropy_last10": run_mean(r, "losses/entropy", first=STEPS - 9),
+                "entropy_last10": run_mean(r, "losses/entropy", first=r["total_steps"] - 9),
                 "len_incorrect_drift": length_drift(r, "charts/len_incorrect")} for r in runs]
     import csv
 
@@ -517,7 +528,8 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
     cells = sorted({(r["cell"], r["algo"]) for r in runs})
     lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
              f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
-             f"each {STEPS} RL steps of {PROMPTS} prompts x 8 completions, answers 20-300 tokens.",
+             f"each {STEPS} RL steps (long120: {3 * STEPS}) of {PROMPTS} prompts x 8 completions, answers 20-300 "
+             "tokens.",
              "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
              "(this report alone).",
              f"Cost: {minutes:.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "

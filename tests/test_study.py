@@ -11,7 +11,7 @@ import sweep
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), (0, 1, 2))
-    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2 + 2) == 51
+    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2 + 2 + 2) == 57
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -28,10 +28,11 @@ def test_study_expands_to_the_documented_grid():
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
 
 
-def fake_run(name, algo, seed, acc, rng, cell=None, length_power=0.5, entropy=1.0, len_incorrect=None):
+def fake_run(name, algo, seed, acc, rng, cell=None, length_power=0.5, entropy=1.0, len_incorrect=None,
+             steps=study.STEPS):
     """A run whose metrics follow chosen laws: std of the log-ratio sum = 0.01 * len^length_power."""
     rows = []
-    for step in range(0, study.STEPS + 1):
+    for step in range(0, steps + 1):
         row = {"step": step}
         if step % study.EVAL_EVERY == 0:
             row["eval/accuracy"] = acc(step)
@@ -48,8 +49,8 @@ def fake_run(name, algo, seed, acc, rng, cell=None, length_power=0.5, entropy=1.
                         "clip/shadow_gspo": 0.3, "clip/shadow_grpo": 0.002, "clip/shadow_dapo": 0.002,
                         "clip/shadow_dr_grpo": 0.002, "ratio/token_mean": 1.0})
         rows.append(row)
-    return {"name": name, "cell": cell or name.rsplit("-", 2)[0], "algo": algo, "seed": seed, "rows": rows,
-            "stopped": None}
+    return {"name": name, "cell": cell or name.rsplit("-", 2)[0], "algo": algo, "seed": seed, "total_steps": steps,
+            "rows": rows, "stopped": None}
 
 
 def synthetic_study():
@@ -124,6 +125,22 @@ def test_verdicts_say_not_reproduced_when_the_data_says_so():
     verdict = {r["claim"][0]: r["verdict"] for r in study.verdicts(runs)[0]}
     # the sum does not grow; log s_i shrinks like 1/len, faster than 1/sqrt(len), which still keeps it on scale
     assert verdict["1"] == "Σ: not reproduced; log s: reproduced" and verdict["5"] == "not reproduced"
+
+
+def test_claim4_is_judged_per_horizon():
+    """Flat incorrect lengths in 40 steps, GRPO's growing over 120 (long120): each horizon gets its verdict."""
+    runs = [r for r in synthetic_study() if not (r["cell"] == "base" and r["algo"] == "grpo")]
+    rng = np.random.default_rng(3)
+    for seed in range(3):
+        runs.append(fake_run(f"base-grpo-s{seed}", "grpo", seed, lambda s: 0.5, rng))
+        runs.append(fake_run(f"long120-dr_grpo-s{seed}", "dr_grpo", seed, lambda s: 0.5, rng, steps=120))
+        runs.append(fake_run(f"long120-grpo-s{seed}", "grpo", seed, lambda s: 0.5, rng, steps=120,
+                             len_incorrect=lambda s: 80 + s / 2 + seed))
+    row = study.verdicts(runs)[0][3]
+    assert row["verdict"] == "40 steps: not reproduced; 120 steps: reproduced", row
+    assert "long120 (120 steps): GRPO 55 ± 0, Dr.GRPO 0 ± 0" in row["measured"], row["measured"]
+    runs = [r for r in runs if not r["name"].startswith("long120-grpo")]  # GRPO at 120 steps missing: 40 alone
+    assert study.verdicts(runs)[0][3]["verdict"] == "not reproduced"
 
 
 def test_claim3_is_judged_per_stale_regime():
