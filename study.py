@@ -269,6 +269,15 @@ def matched_beta(acc: dict, cell: str) -> str:
     return f"; at equal β, final accuracy: {', '.join(parts)}" if parts else ""
 
 
+def repeats_base(run: dict, runs: list[dict]) -> bool | None:
+    """Whether a longer run's first STEPS steps are those of the base run with its algo and seed, metric for metric
+    (timings aside); None without that base run."""
+    twin = [r for r in cell_runs(runs, "base", run["algo"]) if r["seed"] == run["seed"]]
+    head = lambda rows: [{k: v for k, v in row.items() if not k.startswith("perf/")}  # noqa: E731
+                         for row in rows if row["step"] <= STEPS]
+    return head(run["rows"]) == head(twin[0]["rows"]) if twin else None
+
+
 def length_bias_verdict(grpo: tuple[float, float], dr_grpo: tuple[float, float]) -> str:
     """Claim 4 in one cell: GRPO's incorrect answers lengthen, and more than Dr.GRPO's by the rule."""
     if not comparable(grpo, dr_grpo):
@@ -560,6 +569,11 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
                   "groups with mixed correctness: the policy had stopped getting answers right). The last two counts "
                   "were added after the first stale runs showed runs that never rose above their start, so could "
                   "not fall 20 points below a peak; claim 3 counts a run as failed when any of the three holds."]
+    longer = [repeats_base(r, runs) for r in runs if r["cell"] == "long120"]
+    if any(x is not None for x in longer):
+        lines += ["", f"long120: the first {STEPS} steps repeat the base run of the same algo and seed metric for "
+                      f"metric (timings aside) in {sum(x is True for x in longer)} of {sum(x is not None for x in longer)} "
+                      f"runs, so the {2 * STEPS} steps after them are the only difference."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

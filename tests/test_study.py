@@ -136,6 +136,10 @@ def test_claim4_is_judged_per_horizon():
         runs.append(fake_run(f"long120-dr_grpo-s{seed}", "dr_grpo", seed, lambda s: 0.5, rng, steps=120))
         runs.append(fake_run(f"long120-grpo-s{seed}", "grpo", seed, lambda s: 0.5, rng, steps=120,
                              len_incorrect=lambda s: 80 + s / 2 + seed))
+    assert study.repeats_base(runs[-1], runs) is False  # its incorrect lengths differ from base's from step 1
+    twin = next(r for r in runs if r["name"] == "base-grpo-s2")
+    longer = dict(twin, name="long120-grpo-s2", cell="long120", rows=twin["rows"] + [{"step": 41}])
+    assert study.repeats_base(longer, runs) is True
     row = study.verdicts(runs)[0][3]
     assert row["verdict"] == "40 steps: not reproduced; 120 steps: reproduced", row
     assert "long120 (120 steps): GRPO 55 ± 0, Dr.GRPO 0 ± 0" in row["measured"], row["measured"]
