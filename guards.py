@@ -178,10 +178,10 @@ def validate(args, world_size: int = 1) -> None:
             args.device == "auto" and not torch.cuda.is_available() and torch.backends.mps.is_available())):
         raise ConfigError(f"--device {args.device} under torchrun: each rank takes its own GPU (LOCAL_RANK) with "
                           "--device auto or cuda; without CUDA, use --device cpu (gloo cannot reduce MPS tensors)")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ddp.launched() and args.device in ("auto", "cuda") and 0 < gpus < ddp.local_world_size():
-        raise ConfigError(f"torchrun starts {ddp.local_world_size()} processes on this machine but it has {gpus} GPU(s), "
-                          f"one per process; use --nproc-per-node {gpus} (or --device cpu)")
+    gpus, local = torch.cuda.device_count() if torch.cuda.is_available() else 0, ddp.local_world_size()
+    if ddp.launched() and args.device in ("auto", "cuda") and 0 < gpus < local:
+        raise ConfigError(f"torchrun starts {local} processes on this machine but it has {gpus} GPU(s), one per "
+                          f"process; use --nproc-per-node {gpus} (or --device cpu)")
     if args.lr_scheduler not in (names := working_schedulers()):
         raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
     name = args.run_name

@@ -571,9 +571,10 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
                   "not fall 20 points below a peak; claim 3 counts a run as failed when any of the three holds."]
     longer = [repeats_base(r, runs) for r in runs if r["cell"] == "long120"]
     if any(x is not None for x in longer):
+        same, known = sum(x is True for x in longer), sum(x is not None for x in longer)
         lines += ["", f"long120: the first {STEPS} steps repeat the base run of the same algo and seed metric for "
-                      f"metric (timings aside) in {sum(x is True for x in longer)} of {sum(x is not None for x in longer)} "
-                      f"runs, so the {2 * STEPS} steps after them are the only difference."]
+                      f"metric (timings aside) in {same} of {known} runs, so the {2 * STEPS} steps after them are the "
+                      "only difference."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

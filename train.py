@@ -514,7 +514,8 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
         rows = [ex for ex in mine for _ in range(n)]
         # its own random stream, seeded by the step: sampling here must not move the training run's stream
         device = policy.device  # fork this rank's device only (by default fork_rng touches every GPU of the machine)
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device.index or 0], device_type=device.type):
+        devices = [] if device.type == "cpu" else [device.index or 0]
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(world.seed(args.seed * 100_003 + step))
             hits = [c for i in range(0, len(rows), chunk)
                     for c in generate_and_score(policy, tokenizer, rows[i:i + chunk], args).scores["correct"]]
