@@ -5,7 +5,7 @@
     python study.py --report-only        # rebuild docs/study/ from the finished runs
 
 Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
-completions per rollout) for 40 RL steps (long120: 120), held-out greedy accuracy every 5 steps. The cells:
+completions per rollout) for 40 RL steps (the long120 cells: 120), held-out greedy accuracy every 5 steps. The cells:
 
     base      the four paper presets, lr 5e-5, 4 minibatches per rollout    claims 1, 2, 4; the baseline of 3 and 5
     eh02      dapo with --epsilon-high 0.2 (clip-higher off)                claim 5
@@ -13,8 +13,8 @@ completions per rollout) for 40 RL steps (long120: 120), held-out greedy accurac
     stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
     stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
     stale16-kl  the same swap in the stale16 regime                         claim 3: the KL anchor at the base lr
-    long120   grpo and dr_grpo as in base, for 120 RL steps                 claim 4 at 3x the horizon (its first 40
-                                                                            steps repeat base's runs exactly)
+    long120   grpo, dr_grpo and dapo as in base, for 120 RL steps         claims 4 and 5 at 3x the horizon (the
+    eh02-long120  eh02 for 120 RL steps                                     first 40 steps repeat base's and eh02's)
 
 The rule for every comparison: two cells differ only when their mean ± std intervals over seeds do not overlap.
 The report (verdict table, one figure per claim, CSV of every run) goes to docs/study/.
@@ -44,8 +44,10 @@ CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
     "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
     "stale16-kl": (("grpo", "gspo"), {"num_minibatches": "16", "beta": "__swap__"}),
-    "long120": (("grpo", "dr_grpo"), {"total_steps": str(3 * STEPS)}),
+    "long120": (("grpo", "dr_grpo", "dapo"), {"total_steps": str(3 * STEPS)}),
+    "eh02-long120": (("dapo",), {"epsilon_high": "0.2", "total_steps": str(3 * STEPS)}),
 }
+LONGER = {"long120": "base", "eh02-long120": "eh02"}  # a 120-step cell -> the 40-step cell it extends
 KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
 COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
 # A run that train.py stopped with an error is a result too: the policy broke. (log text -> what it means)
@@ -201,7 +203,8 @@ def length_drift(run: dict, key: str) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 CELL_STYLES = {"base": "-", "eh02": "--", "stale16": (0, (5, 1, 1, 1, 1, 1)), "stale": ":",  # one line style
-               "stale-kl": "-.", "stale16-kl": (0, (1, 2)), "long120": (0, (8, 2))}  # per cell, in every figure
+               "stale-kl": "-.", "stale16-kl": (0, (1, 2)), "long120": (0, (8, 2)),  # per cell, in every figure
+               "eh02-long120": (0, (3, 1, 1, 1))}
 
 
 def style(cell: str, algo: str) -> dict:
@@ -209,7 +212,7 @@ def style(cell: str, algo: str) -> dict:
 
 
 def label(cell: str, algo: str, runs: list[dict]) -> str:
-    extra = " ε_high=0.2" if cell == "eh02" else f" β={KL_SWAP.get(algo, '')}" if cell.endswith("-kl") else ""
+    extra = " ε_high=0.2" if cell.startswith("eh02") else f" β={KL_SWAP.get(algo, '')}" if cell.endswith("-kl") else ""
     return f"{algo}{extra} [{cell}, {len(runs)} seeds]"
 
 
@@ -270,12 +273,26 @@ def matched_beta(acc: dict, cell: str) -> str:
 
 
 def repeats_base(run: dict, runs: list[dict]) -> bool | None:
-    """Whether a longer run's first STEPS steps are those of the base run with its algo and seed, metric for metric
-    (timings aside); None without that base run."""
-    twin = [r for r in cell_runs(runs, "base", run["algo"]) if r["seed"] == run["seed"]]
+    """Whether a 120-step run's first STEPS steps are those of the 40-step run it extends (same algo and seed),
+    metric for metric (timings aside); None without that run."""
+    twin = [r for r in cell_runs(runs, LONGER[run["cell"]], run["algo"]) if r["seed"] == run["seed"]]
     head = lambda rows: [{k: v for k, v in row.items() if not k.startswith("perf/")}  # noqa: E731
                          for row in rows if row["step"] <= STEPS]
     return head(run["rows"]) == head(twin[0]["rows"]) if twin else None
+
+
+def per_horizon(judged: dict[str, str]) -> str:
+    """One verdict when the 40- and 120-step cells agree (or one alone could be judged), else each with its own."""
+    judged = {h: v for h, v in judged.items() if v != "inconclusive"} or {"": "inconclusive"}
+    return next(iter(judged.values())) if len(set(judged.values())) == 1 else \
+        "; ".join(f"{h}: {v}" for h, v in judged.items())
+
+
+def entropy_verdict(high: tuple[float, float], low: tuple[float, float]) -> str:
+    """Claim 5 in one pair of cells: entropy with ε_high 0.28 above that with 0.2, by the rule."""
+    if not comparable(high, low):
+        return "inconclusive"
+    return "reproduced" if high[0] > low[0] and differ(high, low) else "not reproduced"
 
 
 def length_bias_verdict(grpo: tuple[float, float], dr_grpo: tuple[float, float]) -> str:
@@ -363,29 +380,31 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
              for c in ("base", "long120") + STALE_CELLS for a in ("grpo", "dr_grpo")}
     numbers["len_incorrect_drift"] = drift
-    judged = {c: length_bias_verdict(drift[(c, "grpo")], drift[(c, "dr_grpo")]) for c in ("base", "long120")}
-    judged = {c: v for c, v in judged.items() if v != "inconclusive"} or {"base": "inconclusive"}
     rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
                  "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
                  "measured": "incorrect-answer length, last 10 minus first 10 steps (tokens): " + "; ".join(
                      f"{c}{' (120 steps)' if c == 'long120' else ''}: GRPO {fmt(drift[(c, 'grpo')], 2)}, "
                      f"Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}" for c in ("base", "long120") + STALE_CELLS
                      if c == "base" or comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
-                 "verdict": next(iter(judged.values())) if len(set(judged.values())) == 1 else
-                 "; ".join(f"{'40' if c == 'base' else '120'} steps: {v}" for c, v in judged.items())})
+                 "verdict": per_horizon({f"{n} steps": length_bias_verdict(drift[(c, "grpo")], drift[(c, "dr_grpo")])
+                                         for n, c in ((STEPS, "base"), (3 * STEPS, "long120"))})})
     # 5. clip-higher and entropy
-    ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=STEPS - 9) for r in cell_runs(runs, c, a)])
-           for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"))}
+    ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=r["total_steps"] - 9) for r in cell_runs(runs, c, a)])
+           for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"), ("long120", "dapo"),
+                        ("eh02-long120", "dapo"))}
     numbers["entropy_last10"] = ent
     hi, lo = ent[("base", "dapo")], ent[("eh02", "dapo")]
-    v5 = "inconclusive" if not comparable(hi, lo) else \
-        "reproduced" if hi[0] > lo[0] and differ(hi, lo) else "not reproduced"
+    hi3, lo3 = ent[("long120", "dapo")], ent[("eh02-long120", "dapo")]
     rows.append({"claim": "5. clip-higher (ε_high 0.28) keeps entropy higher (DAPO §3.1)",
                  "predicted": "entropy DAPO > DAPO with ε_high 0.2, and higher accuracy",
                  "measured": f"entropy (nats/token, last 10 steps): DAPO {fmt(hi)}, ε_high 0.2 {fmt(lo)}, GRPO "
                              f"{fmt(ent[('base', 'grpo')])}; final accuracy DAPO {fmt(acc[('base', 'dapo')])}, "
-                             f"ε_high 0.2 {fmt(acc[('eh02', 'dapo')])}",
-                 "verdict": v5})
+                             f"ε_high 0.2 {fmt(acc[('eh02', 'dapo')])}" + (
+                                 f"; 120 steps (long120): entropy DAPO {fmt(hi3)}, ε_high 0.2 {fmt(lo3)}, final "
+                                 f"accuracy DAPO {fmt(acc[('long120', 'dapo')])}, ε_high 0.2 "
+                                 f"{fmt(acc[('eh02-long120', 'dapo')])}" if comparable(hi3, lo3) else ""),
+                 "verdict": per_horizon({f"{STEPS} steps": entropy_verdict(hi, lo),
+                                         f"{3 * STEPS} steps": entropy_verdict(hi3, lo3)})})
     return rows, numbers
 
 
@@ -498,7 +517,7 @@ def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
 
     # claim 5: entropy with and without clip-higher
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo")):
+    for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"), ("long120", "dapo"), ("eh02-long120", "dapo")):
         rs = cell_runs(runs, c, a)
         if rs:
             band(axes[0], rs, "losses/entropy", label(c, a, rs), **style(c, a))
@@ -537,8 +556,8 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
     cells = sorted({(r["cell"], r["algo"]) for r in runs})
     lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
              f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
-             f"each {STEPS} RL steps (long120: {3 * STEPS}) of {PROMPTS} prompts x 8 completions, answers 20-300 "
-             "tokens.",
+             f"each {STEPS} RL steps (the long120 cells: {3 * STEPS}) of {PROMPTS} prompts x 8 completions, answers "
+             "20-300 tokens.",
              "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
              "(this report alone).",
              f"Cost: {minutes:.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "
@@ -569,12 +588,12 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
                   "groups with mixed correctness: the policy had stopped getting answers right). The last two counts "
                   "were added after the first stale runs showed runs that never rose above their start, so could "
                   "not fall 20 points below a peak; claim 3 counts a run as failed when any of the three holds."]
-    longer = [repeats_base(r, runs) for r in runs if r["cell"] == "long120"]
+    longer = [repeats_base(r, runs) for r in runs if r["cell"] in LONGER]
     if any(x is not None for x in longer):
         same, known = sum(x is True for x in longer), sum(x is not None for x in longer)
-        lines += ["", f"long120: the first {STEPS} steps repeat the base run of the same algo and seed metric for "
-                      f"metric (timings aside) in {same} of {known} runs, so the {2 * STEPS} steps after them are the "
-                      "only difference."]
+        lines += ["", f"The long120 cells: the first {STEPS} steps repeat the 40-step run they extend (base, eh02; "
+                      f"same algo and seed) metric for metric (timings aside) in {same} of {known} runs, so the "
+                      f"{2 * STEPS} steps after them are the only difference."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

@@ -11,7 +11,7 @@ import sweep
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), (0, 1, 2))
-    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2 + 2 + 2) == 57
+    assert len(runs) == 3 * (4 + 1 + 4 + 4 + 2 + 2 + 3 + 1) == 63
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -145,6 +145,12 @@ def test_claim4_is_judged_per_horizon():
     assert "long120 (120 steps): GRPO 55 ± 0, Dr.GRPO 0 ± 0" in row["measured"], row["measured"]
     runs = [r for r in runs if not r["name"].startswith("long120-grpo")]  # GRPO at 120 steps missing: 40 alone
     assert study.verdicts(runs)[0][3]["verdict"] == "not reproduced"
+    # claim 5 the same way: clip-higher keeps entropy up in 40 steps (synthetic base), not over 120
+    for seed in range(3):
+        runs.append(fake_run(f"long120-dapo-s{seed}", "dapo", seed, lambda s: 0.5, rng, steps=120, entropy=1.0))
+        runs.append(fake_run(f"eh02-long120-dapo-s{seed}", "dapo", seed, lambda s: 0.5, rng, steps=120, entropy=1.0))
+    assert {r["cell"] for r in runs} >= {"long120", "eh02-long120"}
+    assert study.verdicts(runs)[0][4]["verdict"] == "40 steps: reproduced; 120 steps: not reproduced"
 
 
 def test_claim3_is_judged_per_stale_regime():
