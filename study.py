@@ -33,6 +33,7 @@ import sweep
 from sweep import ALGO_COLORS, ALGOS, series, steps_to
 
 STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
+LONG_STEPS = 3 * STEPS  # the long120 cells: claims 4 and 5 describe drifts that build over training
 # 8 prompts x 8 completions per rollout (the default run uses 16): 33 runs fit the 150-minute budget on 2 cores
 COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
           "--num-prompts", str(PROMPTS)]
@@ -44,8 +45,8 @@ CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
     "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
     "stale16-kl": (("grpo", "gspo"), {"num_minibatches": "16", "beta": "__swap__"}),
-    "long120": (("grpo", "dr_grpo", "dapo"), {"total_steps": str(3 * STEPS)}),
-    "eh02-long120": (("dapo",), {"epsilon_high": "0.2", "total_steps": str(3 * STEPS)}),
+    "long120": (("grpo", "dr_grpo", "dapo"), {"total_steps": str(LONG_STEPS)}),
+    "eh02-long120": (("dapo",), {"epsilon_high": "0.2", "total_steps": str(LONG_STEPS)}),
 }
 LONGER = {"long120": "base", "eh02-long120": "eh02"}  # a 120-step cell -> the 40-step cell it extends
 KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
@@ -288,18 +289,12 @@ def per_horizon(judged: dict[str, str]) -> str:
         "; ".join(f"{h}: {v}" for h, v in judged.items())
 
 
-def entropy_verdict(high: tuple[float, float], low: tuple[float, float]) -> str:
-    """Claim 5 in one pair of cells: entropy with ε_high 0.28 above that with 0.2, by the rule."""
-    if not comparable(high, low):
+def above(a: tuple[float, float], b: tuple[float, float], also: bool = True) -> str:
+    """A claim that a's mean is above b's: reproduced when it is and they differ by the rule (and `also` holds),
+    inconclusive without two seeds on each side."""
+    if not comparable(a, b):
         return "inconclusive"
-    return "reproduced" if high[0] > low[0] and differ(high, low) else "not reproduced"
-
-
-def length_bias_verdict(grpo: tuple[float, float], dr_grpo: tuple[float, float]) -> str:
-    """Claim 4 in one cell: GRPO's incorrect answers lengthen, and more than Dr.GRPO's by the rule."""
-    if not comparable(grpo, dr_grpo):
-        return "inconclusive"
-    return "reproduced" if grpo[0] > 0 and differ(grpo, dr_grpo) and grpo[0] > dr_grpo[0] else "not reproduced"
+    return "reproduced" if also and a[0] > b[0] and differ(a, b) else "not reproduced"
 
 
 def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
@@ -383,11 +378,13 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
     rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
                  "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
                  "measured": "incorrect-answer length, last 10 minus first 10 steps (tokens): " + "; ".join(
-                     f"{c}{' (120 steps)' if c == 'long120' else ''}: GRPO {fmt(drift[(c, 'grpo')], 2)}, "
+                     f"{c}{f' ({LONG_STEPS} steps)' if c == 'long120' else ''}: GRPO {fmt(drift[(c, 'grpo')], 2)}, "
                      f"Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}" for c in ("base", "long120") + STALE_CELLS
                      if c == "base" or comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
-                 "verdict": per_horizon({f"{n} steps": length_bias_verdict(drift[(c, "grpo")], drift[(c, "dr_grpo")])
-                                         for n, c in ((STEPS, "base"), (3 * STEPS, "long120"))})})
+                 # GRPO's incorrect answers lengthen, and more than Dr.GRPO's
+                 "verdict": per_horizon({f"{n} steps": above(drift[(c, "grpo")], drift[(c, "dr_grpo")],
+                                                             also=drift[(c, "grpo")][0] > 0)
+                                         for n, c in ((STEPS, "base"), (LONG_STEPS, "long120"))})})
     # 5. clip-higher and entropy
     ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=r["total_steps"] - 9) for r in cell_runs(runs, c, a)])
            for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"), ("long120", "dapo"),
@@ -400,11 +397,10 @@ def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
                  "measured": f"entropy (nats/token, last 10 steps): DAPO {fmt(hi)}, ε_high 0.2 {fmt(lo)}, GRPO "
                              f"{fmt(ent[('base', 'grpo')])}; final accuracy DAPO {fmt(acc[('base', 'dapo')])}, "
                              f"ε_high 0.2 {fmt(acc[('eh02', 'dapo')])}" + (
-                                 f"; 120 steps (long120): entropy DAPO {fmt(hi3)}, ε_high 0.2 {fmt(lo3)}, final "
+                                 f"; {LONG_STEPS} steps (long120): entropy DAPO {fmt(hi3)}, ε_high 0.2 {fmt(lo3)}, final "
                                  f"accuracy DAPO {fmt(acc[('long120', 'dapo')])}, ε_high 0.2 "
                                  f"{fmt(acc[('eh02-long120', 'dapo')])}" if comparable(hi3, lo3) else ""),
-                 "verdict": per_horizon({f"{STEPS} steps": entropy_verdict(hi, lo),
-                                         f"{3 * STEPS} steps": entropy_verdict(hi3, lo3)})})
+                 "verdict": per_horizon({f"{STEPS} steps": above(hi, lo), f"{LONG_STEPS} steps": above(hi3, lo3)})})
     return rows, numbers
 
 
@@ -556,7 +552,7 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
     cells = sorted({(r["cell"], r["algo"]) for r in runs})
     lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
              f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
-             f"each {STEPS} RL steps (the long120 cells: {3 * STEPS}) of {PROMPTS} prompts x 8 completions, answers "
+             f"each {STEPS} RL steps (the long120 cells: {LONG_STEPS}) of {PROMPTS} prompts x 8 completions, answers "
              "20-300 tokens.",
              "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
              "(this report alone).",
@@ -593,7 +589,7 @@ def write_report(runs: list[dict], out: Path) -> dict[str, int]:
         same, known = sum(x is True for x in longer), sum(x is not None for x in longer)
         lines += ["", f"The long120 cells: the first {STEPS} steps repeat the 40-step run they extend (base, eh02; "
                       f"same algo and seed) metric for metric (timings aside) in {same} of {known} runs, so the "
-                      f"{2 * STEPS} steps after them are the only difference."]
+                      f"{LONG_STEPS - STEPS} steps after them are the only difference."]
     collapsed = precursor_rows(runs)
     if collapsed:
         lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "

@@ -683,9 +683,6 @@ def train(args: Args) -> dict:
     return summary
 
 
-USER_ERRORS = guards.USER_ERRORS
-
-
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(guards.docstrings_as_help(Args), description=__doc__, args=argv)
     with guards.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback

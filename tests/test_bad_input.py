@@ -391,4 +391,4 @@ def test_minutes_after_a_resume_count_the_whole_run(tmp_path, tiny_policy_dir):
 
 
 def test_user_errors_are_what_main_turns_into_one_line():
-    assert guards.Interrupted in train.USER_ERRORS and guards.NonFiniteError in train.USER_ERRORS
+    assert guards.Interrupted in guards.USER_ERRORS and guards.NonFiniteError in guards.USER_ERRORS
