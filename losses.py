@@ -244,6 +244,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     ratio/seq_*          GSPO's s_i over sequences
     ratio/seq_logsum_var variance over sequences of sum_t l_it, the log of the unnormalised product of token
                          ratios: it grows with length (as |y| sigma^2 for i.i.d. token noise), log s_i shrinks.
+    ratio/abs_log_token  mean |l_it| over tokens, ratio/abs_log_seq mean |log s_i| over sequences: how far the
+                         ratios have left 1 (the study's manipulation check for staleness)
     clip/token_*         clip fractions over tokens with the run's epsilon; clip/seq_* over sequences
     clip/frac            the fraction the trained objective actually clips (token or sequence units)
     clip/shadow_<algo>   the fraction each paper preset would clip on this same batch
@@ -266,6 +268,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "ratio/seq_mean": masked_mean(torch.exp(log_s), seq_mask),
         "ratio/seq_var": masked_var(torch.exp(log_s), seq_mask),
         "ratio/seq_logsum_var": masked_var(log_ratio.sum(-1), seq_mask),
+        "ratio/abs_log_token": masked_mean(log_ratio.abs(), mask),
+        "ratio/abs_log_seq": masked_mean(log_s.abs(), seq_mask),
         "clip/token_low": tok_low,
         "clip/token_high": tok_high,
         "clip/token_frac": tok_low + tok_high,

@@ -33,54 +33,39 @@ import sweep
 from sweep import ALGO_COLORS, ALGOS, series, steps_to
 
 STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
-LONG_STEPS = 3 * STEPS  # the long120 cells: claims 4 and 5 describe drifts that build over training
-# 8 prompts x 8 completions per rollout (the default run uses 16): 33 runs fit the 150-minute budget on 2 cores
+# 8 prompts x 8 completions per rollout (the default run uses 16), 40 RL steps: ~5 run-minutes a run on 1 thread
 COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
           "--num-prompts", str(PROMPTS)]
-# name -> (algos, overrides every run of the cell gets)
-CELLS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "base": (ALGOS, {}),
-    "eh02": (("dapo",), {"epsilon_high": "0.2"}),
-    "stale16": (ALGOS, {"num_minibatches": "16"}),
-    "stale": (ALGOS, {"lr": "2e-4", "num_minibatches": "16"}),
-    "stale-kl": (("grpo", "gspo"), {"lr": "2e-4", "num_minibatches": "16", "beta": "__swap__"}),
-    "stale16-kl": (("grpo", "gspo"), {"num_minibatches": "16", "beta": "__swap__"}),
-    "long120": (("grpo", "dr_grpo", "dapo"), {"total_steps": str(LONG_STEPS)}),
-    "eh02-long120": (("dapo",), {"epsilon_high": "0.2", "total_steps": str(LONG_STEPS)}),
+# cell -> the overrides every run of the cell gets (the regime), and its arms: arm -> (algo, the arm's overrides).
+# Every arm names its β when it is not the preset's; a contrast changes one thing (see CLAIMS).
+CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] = {
+    "stale16": ({"num_minibatches": "16"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+        "grpo": ("grpo", {}),
+        "gspo-b0.04": ("gspo", {"beta": "0.04"}),
+        "dapo": ("dapo", {}),
+        "dapo-eh0.2": ("dapo", {"epsilon_high": "0.2"}),
+    }),
+    "base": ({}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+        "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
+        "dr_grpo": ("dr_grpo", {}),
+    }),
 }
-LONGER = {"long120": "base", "eh02-long120": "eh02"}  # a 120-step cell -> the 40-step cell it extends
-KL_SWAP = {"grpo": "0", "gspo": "0.04"}  # stale-kl: each of the two gets the other's KL setting
-COLLAPSE_DROP = 0.20  # collapse: held-out accuracy >= 20 points below its running peak, or a non-finite stop
-# A run that train.py stopped with an error is a result too: the policy broke. (log text -> what it means)
-STOPS = {"non-finite losses": "non-finite stop",
-         "dynamic sampling found": "stopped: dynamic sampling found too few groups with mixed correctness"}
-T_95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}  # two-sided 95% t quantiles by number of seeds (n - 1 dof)
-
-
-@dataclass
-class StudyArgs:
-    cells: tuple[str, ...] = tuple(CELLS)
-    """which cells to run (see the module docstring)"""
-    seeds: tuple[int, ...] = (0, 1, 2)
-    parallel: int = 2
-    """runs at a time; each gets cores/parallel threads"""
-    output_dir: str = "sweeps"
-    """runs go to <output_dir>/study/runs/<cell>-<algo>-s<seed>/"""
-    report_dir: str = "docs/study"
-    report_only: bool = False
-    """skip running, only rebuild the report from finished runs"""
+SEEDS = (0, 1, 2, 3, 4)
 
 
 def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
-    """Every run of the study as train.py flags (seed-major, so an interrupted study has whole cells early)."""
+    """Every run of the study as train.py flags (seed-major, so an interrupted study has whole seeds early)."""
     runs = []
     for seed in seeds:
         for cell in cells:
-            algos, overrides = CELLS[cell]
-            for algo in algos:
-                flags = {"algo": algo, "seed": str(seed), "run_name": f"{cell}-{algo}-s{seed}"}
-                flags.update({k: KL_SWAP[algo] if v == "__swap__" else v for k, v in overrides.items()})
-                runs.append(flags)
+            regime, arms = CELLS[cell]
+            for arm, (algo, overrides) in arms.items():
+                runs.append({"algo": algo, "seed": str(seed), "run_name": f"{cell}-{arm}-s{seed}",
+                             **regime, **overrides})
     return runs
 
 

@@ -376,6 +376,16 @@ def rollout_metrics(batch: Batch, adv: torch.Tensor, g: int, world: World = SING
         m["charts/len_correct"] = float(lengths[correct].mean())
     if (~correct).any():
         m["charts/len_incorrect"] = float(lengths[~correct].mean())
+    # the same, free of which prompts are wrong: in each group with both kinds, mean incorrect over mean correct
+    # length, averaged over those groups (> 1: wrong answers run longer than right ones to the same prompt)
+    by_group, right = lengths.view(-1, g), correct.view(-1, g).float()
+    mixed = (right.sum(1) > 0) & (right.sum(1) < g)
+    if mixed.any():
+        wrong = 1 - right
+        mean_wrong = (by_group * wrong).sum(1) / wrong.sum(1).clamp(min=1)  # (groups,)
+        mean_right = (by_group * right).sum(1) / right.sum(1).clamp(min=1)  # (groups,)
+        rel = mean_wrong / mean_right.clamp(min=1)
+        m["charts/len_incorrect_rel"] = float(rel[mixed].mean())
     return m
 
 

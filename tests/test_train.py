@@ -37,10 +37,13 @@ def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_poli
     assert len(steps) == 2
     for m in steps:
         for key in ("losses/policy_loss", "losses/grad_norm", "losses/entropy", "ratio/token_var", "ratio/seq_var",
-                    "ratio/seq_logsum_var", "clip/frac", "clip/token_frac", "clip/seq_frac", "charts/reward"):
+                    "ratio/seq_logsum_var", "ratio/abs_log_token", "ratio/abs_log_seq", "clip/frac", "clip/token_frac",
+                    "clip/seq_frac", "charts/reward"):
             assert m[key] is not None and math.isfinite(m[key]), key
         assert all(v is None or math.isfinite(v) for k, v in m.items() if isinstance(v, float))
         assert m["losses/skipped_updates"] == 0
+        if "charts/len_incorrect_rel" in m:  # some group had right and wrong answers
+            assert m["charts/len_incorrect_rel"] > 0
     assert (metrics[-1].get("losses/kl_ref") is not None) == (algo == "grpo")
     if algo == "dapo":
         assert metrics[-1]["dynamic/drawn"] >= 4
