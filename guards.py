@@ -71,6 +71,7 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
                                       "advantage compares completions of the same prompt"),
     (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.threads < 0, "--threads must be >= 0 (got {threads}); 0 keeps torch's default"),
     (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
     (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
     (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
@@ -118,6 +119,19 @@ def docstrings_as_help(cls):
         if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
             f = cls.__dataclass_fields__[node.target.id]
             f.metadata = types.MappingProxyType({**f.metadata, "help": " ".join(str(after.value.value).split())})
+    return cls
+
+
+def default_hints(cls, hints: dict[str, str]):
+    """Show a derived default in --help (e.g. '(default from --algo: ...)') where tyro would print
+    '(default: None)' for a field whose None means 'taken from another flag'."""
+    import typing
+
+    import tyro
+
+    resolved = typing.get_type_hints(cls)  # plain types: wrapping again on a second call replaces the hint
+    for name, hint in hints.items():
+        cls.__annotations__[name] = typing.Annotated[resolved[name], tyro.conf.arg(help_behavior_hint=hint)]
     return cls
 
 
@@ -317,10 +331,9 @@ def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None
             ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it exactly")
         if (run_dir / "final" / "config.json").is_file():
             ways.append(f"--model {run_dir / 'final'} --run-name NEW_NAME starts a new run from its final policy")
-        further = ("To train further, in a new folder: " + ", or ".join(ways)) if ways else \
-            "Start another run with --run-name NEW_NAME"
-        raise ConfigError(f"{run_dir} is a finished run ({result}); its results are kept. {further}; --overwrite "
-                          "replaces it")
+        further = ("; to train further, in a new folder: " + ", or ".join(ways)) if ways else ""
+        raise ConfigError(f"{run_dir} is a finished run ({result}); its results are kept. --run-name NEW_NAME starts "
+                          f"a fresh run beside it{further}; --overwrite replaces it")
     ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
     if ckpts and not resume:
         raise ConfigError(f"{run_dir} holds an unfinished run (latest checkpoint {ckpts[-1].name}); --resume auto "

@@ -181,13 +181,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-family"
 
 
-def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = None, quiet: bool = False) -> Path:
-    """Supervised imitation of the noisy teacher; returns the cached model directory (built on first use).
-
-    The cache key is a hash of the settings and the seed, so a changed recipe never reuses a stale policy.
-    """
+def warm_start_path(seed: int, settings: dict, cache: Path | None = None) -> Path:
+    """Where the warm start of (settings, seed) is cached: a hash of both, so a changed recipe never reuses a stale
+    policy."""
     key = hashlib.sha256(json.dumps({**settings, "seed": seed}, sort_keys=True).encode()).hexdigest()[:12]
-    out = (cache or cache_root()) / f"warm-start-{key}"
+    return (cache or cache_root()) / f"warm-start-{key}"
+
+
+def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = None, quiet: bool = False) -> Path:
+    """Supervised imitation of the noisy teacher; returns the cached model directory (built on first use)."""
+    out = warm_start_path(seed, settings, cache)
     if (out / "config.json").is_file():
         return out
     tokenizer = build_tokenizer()

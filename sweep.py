@@ -52,14 +52,72 @@ class SweepArgs:
     """skip running, only rebuild the report"""
 
 
-def grid(args: SweepArgs) -> list[dict]:
-    """Every combination, as {flag: value} dicts with a readable run name."""
-    axes = [[("algo", a) for a in args.algos], [("seed", str(s)) for s in args.seeds]]
-    for item in args.set:
+class SweepError(ValueError):
+    """A sweep the user asked for that cannot run as asked: main() prints it as one `error:` line, exit 2."""
+
+
+def merge_set_flags(argv: list[str]) -> list[str]:
+    """Gather every `--set` into one, so that `--set lr=1e-4,3e-4 --set num_minibatches=2,4` sweeps both axes.
+
+    argparse (under tyro) keeps only the last of a repeated flag, which would silently drop an axis; `--set a b`
+    and `--set=a` are gathered the same way."""
+    items, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--set="):
+            items.append(arg.split("=", 1)[1])
+        elif arg == "--set":
+            while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                i += 1
+                items.append(argv[i])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest + (["--set", *items] if items else [])
+
+
+def set_axes(items: tuple[str, ...], train_args: list[str] = ()) -> list[tuple[str, list[str]]]:
+    """The swept axes of --set as (train.py field, values), each field once; a mistake is one `error:` line."""
+    import dataclasses
+
+    import train
+
+    fields = {f.name for f in dataclasses.fields(train.Args)}
+    fixed = {a[2:].split("=", 1)[0].replace("-", "_") for a in train_args if a.startswith("--")}
+    axes: list[tuple[str, list[str]]] = []
+    for item in items:
         field, _, values = item.partition("=")
-        if not values:
-            raise SystemExit(f"error: --set {item!r} must look like field=v1,v2 (e.g. lr=1e-4,3e-4)")
-        axes.append([(field.replace("-", "_"), v) for v in values.split(",")])
+        field = field.replace("-", "_")
+        if not values or not field or any(not v for v in values.split(",")):
+            raise SweepError(f"--set {item!r} must look like field=v1,v2 (e.g. lr=1e-4,3e-4)")
+        if field in ("algo", "seed"):
+            raise SweepError(f"--set {item!r}: sweep {field}s with --{field}s, not --set")
+        if field not in fields:
+            raise SweepError(f"--set {item!r}: train.py has no field {field!r}; `python train.py --help` "
+                             "lists them")
+        if field in (f for f, _ in axes):
+            raise SweepError(f"--set names {field} twice; give all its values in one: --set {field}=v1,v2")
+        if field in fixed:
+            raise SweepError(f"{field} is both swept (--set) and fixed (--{field.replace('_', '-')}); "
+                             "keep one")
+        axes.append((field, values.split(",")))
+    return axes
+
+
+def plan(args: SweepArgs, axes: list[tuple[str, list[str]]]) -> str:
+    """One line that says what the grid holds, so a missing axis shows before anything runs."""
+    parts = [f"{len(args.algos)} algos ({', '.join(args.algos)})", f"{len(args.seeds)} seeds "
+             f"({', '.join(map(str, args.seeds))})"] + [f"{len(v)} {f} ({', '.join(v)})" for f, v in axes]
+    return f"plan: {math.prod([len(args.algos), len(args.seeds), *(len(v) for _, v in axes)])} runs = " + \
+        " x ".join(parts)
+
+
+def grid(args: SweepArgs, axes: list[tuple[str, list[str]]] | None = None) -> list[dict]:
+    """Every combination, as {flag: value} dicts with a readable run name."""
+    grid_axes = [[("algo", a) for a in args.algos], [("seed", str(s)) for s in args.seeds]]
+    for field, values in set_axes(args.set) if axes is None else axes:
+        grid_axes.append([(field, v) for v in values])
+    axes = grid_axes
     runs = []
     for combo in itertools.product(*axes):
         flags = dict(combo)
@@ -238,7 +296,7 @@ def length_bucket_points(rs: list[dict], key: str) -> list[tuple[float, float]]:
     for q in range(1, 5):
         lens = [v for r in rs for v in series(r, f"lenbucket/q{q}_len")[1]]
         vals = [v for r in rs for v in series(r, f"lenbucket/q{q}_{key}")[1]]
-        if lens and vals:
+        if lens and vals and np.any(vals):  # all zero: on-policy, nothing to put on a log axis
             pts.append((float(np.mean(lens)), float(np.sqrt(np.mean(np.square(vals))))))
     return pts
 
@@ -335,13 +393,20 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
 def main() -> None:
     import tyro
 
-    args, train_args = tyro.cli(SweepArgs, description=__doc__, return_unknown_args=True)
+    args, train_args = tyro.cli(SweepArgs, description=__doc__, return_unknown_args=True,
+                                args=merge_set_flags(sys.argv[1:]))
     runs_dir = Path(args.output_dir) / args.name / "runs"
-    if not args.report_only:
-        run_grid(grid(args), args.name, train_args, runs_dir, args.parallel)
-    runs = load_runs(runs_dir)
-    if not runs:
-        raise SystemExit(f"error: no finished runs under {runs_dir}; run the sweep first (without --report-only)")
+    try:
+        if not args.report_only:
+            axes = set_axes(args.set, train_args)
+            print(plan(args, axes), flush=True)
+            run_grid(grid(args, axes), args.name, train_args, runs_dir, args.parallel)
+        runs = load_runs(runs_dir)
+        if not runs:
+            raise SweepError(f"no finished runs under {runs_dir}; run the sweep first (without --report-only)")
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
     write_report(runs, out, args.threshold, f"Sweep {args.name}: {len(runs)} runs")
     print(f"report: {out / 'summary.md'}")

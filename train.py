@@ -26,6 +26,7 @@ import copy
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -74,17 +75,19 @@ class Args:
     """cuda, mps or cpu; auto picks the first available"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: bf16 on GPUs that support it, else fp32"""
+    threads: int = 0
+    """CPU threads torch uses (0: its default, OMP_NUM_THREADS or one per core). On a busy or shared machine 1 is
+    often faster; metrics repeat exactly for the same seed and thread count"""
 
     # rollout
     total_steps: int | None = None
-    """RL steps (one rollout each); default: 100, or 60 for --dataset embedded-long"""
+    """RL steps (one rollout each)"""
     num_prompts: int = 16
     """P: prompts per rollout"""
     num_generations: int = 8
     """G: completions per prompt (the group)"""
     max_new_tokens: int | None = None
-    """generation budget per completion; also Dr.GRPO's normaliser and DAPO's L_max (default: 64, or 360 for
-    --dataset embedded-long)"""
+    """generation budget per completion; also Dr.GRPO's normaliser and DAPO's L_max"""
     temperature: float = 1.0
     """sampling temperature; log-probs are taken at the same temperature"""
 
@@ -115,27 +118,23 @@ class Args:
 
     # objective: None takes the --algo preset (see losses.PRESETS)
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] | None = None
-    """token: rho_t; sequence: GSPO's s_i; sequence_token: GSPO-token. Unset (None): from --algo, token for grpo,
-    dr_grpo and dapo, sequence for gspo"""
+    """token: rho_t; sequence: GSPO's s_i; sequence_token: GSPO-token"""
     loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] | None = None
-    """how per-token losses are summed. Unset: from --algo, seq-mean-token-mean (grpo, gspo), token-mean (dapo),
-    seq-mean-token-sum-norm (dr_grpo)"""
+    """how per-token losses are summed (losses.aggregate)"""
     epsilon: float | None = None
-    """lower clip range: w >= 1 - epsilon. Unset: from --algo, 0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo)"""
+    """lower clip range: w >= 1 - epsilon"""
     epsilon_high: float | None = None
-    """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon). Unset: from --algo, 0.2
-    (grpo, dr_grpo), 0.28 (dapo), 4e-4 (gspo)"""
+    """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon)"""
     beta: float | None = None
-    """weight of the k3 KL to the starting policy; 0 loads no reference model. Unset: from --algo, 0.04 (grpo),
-    0 (the others)"""
+    """weight of the k3 KL to the starting policy; 0 loads no reference model"""
     scale_rewards: bool | None = None
-    """divide group advantages by the group's reward std. Unset: from --algo, on except for dr_grpo"""
+    """divide group advantages by the group's reward std"""
     dynamic_sampling: bool | None = None
-    """DAPO: re-draw prompts until every group has mixed correctness. Unset: on for dapo only"""
+    """DAPO: re-draw prompts until every group has mixed correctness"""
     max_sampling_rounds: int = 8
     """dynamic sampling gives up with an error after this many rollouts in one step"""
     overlong_weight: float | None = None
-    """weight of DAPO's soft overlong punishment. Unset: 1 for dapo, 0 for the others"""
+    """weight of DAPO's soft overlong punishment"""
     overlong_cache: int = 16
     """L_cache: the punishment ramps from 0 to -1 over the last this-many tokens before max_new_tokens"""
     format_weight: float = 0.1
@@ -155,9 +154,9 @@ class Args:
     output_dir: str = "runs"
     """each run writes <output_dir>/<run_name>/ (metrics.jsonl, final model, wandb files)"""
     run_name: str | None = None
-    """default: <algo>-s<seed>"""
+    """the run's folder and wandb name"""
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
-    """default: online when a W&B API key or login exists, else offline; never prompts"""
+    """W&B logging; never prompts"""
     wandb_project: str = "grpo-family"
     """W&B project the run is logged to"""
     wandb_group: str | None = None
@@ -195,11 +194,24 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
         args, **filled,
         dynamic_sampling=is_dapo if args.dynamic_sampling is None else args.dynamic_sampling,
         overlong_weight=(1.0 if is_dapo else 0.0) if args.overlong_weight is None else args.overlong_weight,
-        run_name=args.run_name or f"{args.algo}-s{args.seed}",
+        run_name=args.run_name or default_run_name(args),
         **{k: v if getattr(args, k) is None else getattr(args, k)
            for k, v in DATASET_DEFAULTS.get(args.dataset, DATASET_DEFAULTS["*"]).items()},
     )
     return args, LossConfig(**filled)
+
+
+def default_run_name(args: Args) -> str:
+    """<algo>[-<dataset>][-np<N>]-s<seed>: runs of the README's commands (another dataset, torchrun) get folders of
+    their own. The default dataset and one process add nothing (gspo-s0); --model does not enter the name."""
+    parts = [args.algo]
+    if args.dataset != "embedded":
+        name = Path(args.dataset.rstrip("/")).name
+        name = name.split(".")[0] if Path(args.dataset).suffix else name  # data/gsm8k.jsonl -> gsm8k
+        parts.append(re.sub(r"[^A-Za-z0-9_.-]+", "-", name + (f"-{args.dataset_config}" if args.dataset_config else "")))
+    if ddp.world_size() > 1:
+        parts.append(f"np{ddp.world_size()}")
+    return "-".join(parts + [f"s{args.seed}"])
 
 
 def seed_everything(seed: int) -> None:
@@ -219,7 +231,11 @@ def load_policy(args: Args, path: Path | None = None):
     dtype = models.pick_dtype(device, args.dtype)
     name = str(path) if path else args.model
     if name == "embedded":
-        name = str(models.warm_start(seed=args.seed, settings=models.warm_start_settings(args.dataset)))
+        settings = models.warm_start_settings(args.dataset)
+        if not models.warm_start_path(args.seed, settings).is_dir():
+            print(f"building the embedded model's warm start for seed {args.seed} (supervised, a few minutes, once; "
+                  f"cached in {models.cache_root()})", flush=True)
+        name = str(models.warm_start(seed=args.seed, settings=settings))
     try:
         return models.load_model(name, device, dtype)
     except models.ModelError as e:
@@ -228,10 +244,13 @@ def load_policy(args: Args, path: Path | None = None):
         raise checkpoint.CheckpointError(f"{path} cannot be loaded ({e}); {checkpoint.earlier_hint(path.parent)}")
 
 
+EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long")  # the remainder task, in three forms
+
+
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
     if args.dataset == "embedded-add":
         return task.addition_splits()
-    if args.dataset in ("embedded", "embedded-instruct", "embedded-long"):
+    if args.dataset in EMBEDDED_TASKS:
         return task.default_splits(instruct=args.dataset == "embedded-instruct", long=args.dataset == "embedded-long")
     return task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config)
 
@@ -510,14 +529,16 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
 def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: int = 0, chunk: int = 256,
              world: World = SINGLE) -> dict:
     """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
-    problem at the training temperature. Under torchrun each rank scores every N-th problem; the sums are shared."""
+    problem at the training temperature. Under torchrun each rank scores every N-th problem; the sums are shared.
+    Returns the metrics and one greedy sample (prompt, completion, reference, correct) for the screen."""
     policy.eval()
     mine = examples[world.rank::world.size]
-    correct, reward = [], []
+    correct, reward, sample = [], [], None
     for i in range(0, len(mine), chunk):
-        scores = generate_and_score(policy, tokenizer, mine[i:i + chunk], args, greedy=True).scores
-        correct += scores["correct"]
-        reward += scores["reward"]
+        scored = generate_and_score(policy, tokenizer, mine[i:i + chunk], args, greedy=True)
+        correct += scored.scores["correct"]
+        reward += scored.scores["reward"]
+        sample = sample or (mine[i].prompt, scored.texts[0], mine[i].answer, bool(scored.scores["correct"][0]))
     sums = [float(np.sum(correct)), float(np.sum(reward))]
     if args.eval_samples:
         n = args.eval_samples
@@ -537,7 +558,7 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     if args.eval_samples:
         out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
     policy.train()
-    return out
+    return out, sample
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -571,11 +592,40 @@ class Logger:
             self.run.finish()
 
 
-def console_line(step: int, total: int, m: dict) -> str:
+def console_line(step: int, total: int, m: dict, eta_s: float) -> str:
+    drawn = f" | drawn {m['dynamic/drawn']} dropped {m['dynamic/dropped']}" if m.get("dynamic/dropped") else ""
     return (f"step {step:>4}/{total} | reward {m['charts/reward']:.3f} acc {m['charts/accuracy']:.3f} | "
             f"len {m['charts/completion_len']:.1f} | loss {m['losses/policy_loss']:+.4f} | "
-            f"clip {m['clip/frac']:.4f} ratio_var {m['ratio/token_var']:.2e} | "
-            f"{m['perf/rollout_s']:.1f}s+{m['perf/update_s']:.1f}s")
+            f"clip {m['clip/frac']:.4f} ratio_var {m['ratio/token_var']:.2e}{drawn} | "
+            f"{m['perf/rollout_s']:.1f}s+{m['perf/update_s']:.1f}s | eta {eta_s / 60:.1f} min")
+
+
+def eval_lines(when: str, m: dict, sample: tuple | None, n_problems: int) -> str:
+    """The held-out evaluation on screen: accuracy (and pass@k), and one greedy answer beside its reference."""
+    passes = "".join(f", {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
+    line = f"held-out accuracy {when}: {m['eval/accuracy']:.3f}{passes} ({n_problems} problems)"
+    if sample:
+        prompt, text, reference, correct = sample
+        clip = lambda t: repr(t if len(t) <= 100 else t[:97] + "...")  # noqa: E731
+        line += (f"\n  e.g. {clip(prompt)} -> {clip(text)} (reference {reference!r}: "
+                 f"{'right' if correct else 'wrong'})")
+    return line
+
+
+def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, policy, world: World) -> list[str]:
+    """Where the run's files go, what it trains on and with what: printed once before the first evaluation."""
+    mode = guards.wandb_mode(args.wandb_mode)
+    wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
+             "online": "wandb online", "disabled": "wandb disabled"}[mode]
+    threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
+    lines = [f"run folder: {run_dir} (config.json, metrics.jsonl, final/); {wandb}",
+             f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems; "
+             f"device {policy.device}, {str(policy.dtype).removeprefix('torch.')}{threads}"
+             + (f", {world.size} processes" if world.size > 1 else "")]
+    if args.model == "embedded" and args.dataset not in EMBEDDED_TASKS:
+        lines.append(f"note: the embedded model was warm-started on the remainder task only and knows nothing of "
+                     f"{args.dataset}; train a pretrained model on it with --model (a hub id, a folder or a .gguf)")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -589,6 +639,8 @@ def train(args: Args) -> dict:
     # every flag, the run folder and the checkpoint to resume from, before anything is loaded or written
     resume_from, state = guards.preflight(args, run_dir, ddp.world_size())
     world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
     with guards.Startup(), guards.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
@@ -628,14 +680,15 @@ def train(args: Args) -> dict:
         else:
             print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
                                 else "recomputed by one forward pass over each rollout before its first update"))
-        print(f"{args.algo}: {cfg}" + (f"; {world.size} processes" if world.size > 1 else ""))
+        print(f"{args.algo}: {cfg}")
+        print("\n".join(startup_lines(args, run_dir, train_set, test_set, policy, world)))
         policy.train()
         if state:
             before = state["before"]
         else:
-            before = evaluate(policy, tokenizer, test_set, args, step=0, world=world)
+            before, sample = evaluate(policy, tokenizer, test_set, args, step=0, world=world)
             logger.log(before, step=0)
-        print(f"held-out accuracy before: {before['eval/accuracy']:.3f} ({len(test_set)} problems)")
+        print(eval_lines("before", before, None if state else sample, len(test_set)))
 
     def save(step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
         """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
@@ -659,10 +712,15 @@ def train(args: Args) -> dict:
             with failures(step):
                 _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen, world)
             metrics["perf/elapsed_min"] = minutes_before + (time.time() - start) / 60
-            if step % args.eval_every == 0 or step == args.total_steps:
-                metrics.update(evaluate(policy, tokenizer, test_set, args, step, world=world))
+            evaluated = step % args.eval_every == 0 or step == args.total_steps
+            if evaluated:
+                held_out, sample = evaluate(policy, tokenizer, test_set, args, step, world=world)
+                metrics.update(held_out)
             logger.log(metrics, step=step)
-            print(console_line(step, args.total_steps, metrics), flush=True)
+            eta = (time.time() - start) / (step - first_step + 1) * (args.total_steps - step)
+            print(console_line(step, args.total_steps, metrics, eta), flush=True)
+            if evaluated:
+                print(eval_lines(f"at step {step}", metrics, sample, len(test_set)), flush=True)
             nonfinite.check(step, metrics["losses/skipped_updates"])
             stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
             if (args.save_every and step % args.save_every == 0) or stopping:
@@ -693,8 +751,24 @@ def train(args: Args) -> dict:
     return summary
 
 
+def help_defaults() -> dict[str, str]:
+    """--help's default for each field whose None means 'from --algo' or 'from --dataset' (from the code)."""
+    def per_algo(field):
+        return "(default from --algo: " + ", ".join(f"{a} {getattr(c, field)}" for a, c in losses.PRESETS.items()) + ")"
+    def per_dataset(field):
+        return "(default: " + "; ".join(f"{v[field]}" + ("" if d == "*" else f" for --dataset {d}")
+                                        for d, v in sorted(DATASET_DEFAULTS.items(), key=lambda kv: kv[0] != "*")) + ")"
+    return {**{f: per_algo(f) for f in OBJECTIVE_FIELDS}, **{f: per_dataset(f) for f in DATASET_DEFAULTS["*"]},
+            "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",
+            "overlong_weight": "(default from --algo: 1 for dapo, 0 for the others)",
+            "run_name": "(default: <algo>[-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
+            "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
+            "resume": "(default: start a new run)", "wandb_group": "(default: none)"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(guards.docstrings_as_help(Args), description=__doc__, args=argv)
+    cli = guards.default_hints(guards.docstrings_as_help(Args), help_defaults())
+    args = tyro.cli(cli, description=__doc__, args=argv)
     with guards.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
         train(args)
 

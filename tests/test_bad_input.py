@@ -252,6 +252,7 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
              else e for e in extra]
     line = refused(argv + extra, capsys, run.parent, "is a finished run (2 steps, held-out accuracy")
     last = checkpoint.all_checkpoints(run / "checkpoints")[-1]
+    assert "its results are kept. --run-name NEW_NAME starts a fresh run beside it" in line
     assert f"--resume {last} --run-name NEW_NAME --total-steps N continues it exactly" in line
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
     # both ways out work, and leave the finished run as it was

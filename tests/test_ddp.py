@@ -73,7 +73,7 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     code, out, err = finish(torchrun(2, "train.py", argv))
     assert code == 0, err[-3000:]
     assert "2 processes" in out and out.count("held-out accuracy before") == 1  # rank 0 speaks for all
-    run = tmp_path / "two" / "dapo-s0"
+    run = tmp_path / "two" / "dapo-np2-s0"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert any(r["dynamic/drawn"] > 4 for r in rows[1:])  # extra rounds happened, in step on both ranks
@@ -106,7 +106,7 @@ def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, ti
     code, _, err = finish(torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "ref")]))
     assert code == 0, err[-3000:]
     victim = torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "kill")])
-    ckpts = tmp_path / "kill" / "grpo-s0" / "checkpoints"
+    ckpts = tmp_path / "kill" / "grpo-np2-s0" / "checkpoints"
     deadline = time.time() + 120
     while not checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
         time.sleep(0.05)
@@ -114,11 +114,11 @@ def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, ti
     for pid in [p.pid for p in workers(victim.pid)] + [victim.pid]:  # both ranks and torchrun, as a lost machine
         os.kill(pid, signal.SIGKILL)  # (torchrun starts its workers in sessions of their own: killpg misses them)
     victim.communicate()
-    assert not (tmp_path / "kill" / "grpo-s0" / "summary.json").exists()
+    assert not (tmp_path / "kill" / "grpo-np2-s0" / "summary.json").exists()
     resumed = torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "kill"), "--resume", "auto"])
     code, out, err = finish(resumed)
     assert code == 0 and "resumed from" in out, err[-3000:]
-    ref, kill = tmp_path / "ref" / "grpo-s0", tmp_path / "kill" / "grpo-s0"
+    ref, kill = tmp_path / "ref" / "grpo-np2-s0", tmp_path / "kill" / "grpo-np2-s0"
     wa, wb = final_weights(ref), final_weights(kill)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics(ref) == metrics(kill)
@@ -141,7 +141,7 @@ def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
     assert code != 0
     assert error_lines(err) == ["error: --num-prompts 3 is not divisible by the 2 processes (each takes whole prompt "
                                 "groups); use a multiple of 2"]
-    assert not (tmp_path / "gspo-s0").exists()
+    assert not (tmp_path / "gspo-np2-s0").exists()
 
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
@@ -180,7 +180,7 @@ def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir
     torchrun ends the job, within seconds, not at the process group's 30-minute timeout."""
     argv = ["--model", str(tiny_policy_dir), "--total-steps", "100000", "--output-dir", str(tmp_path)] + SMALL
     job = torchrun(2, "train.py", argv)
-    log, deadline = tmp_path / "gspo-s0" / "metrics.jsonl", time.time() + 120
+    log, deadline = tmp_path / "gspo-np2-s0" / "metrics.jsonl", time.time() + 120
     while not (log.is_file() and len(log.read_text().splitlines()) >= 3) and time.time() < deadline:
         time.sleep(0.1)  # past start-up (where a signal from torchrun would mean "interrupted"), inside the steps
     rank1 = [w.pid for w in workers(job.pid) if w.rank == 1]

@@ -1,9 +1,13 @@
 """A 2 x 1 micro-sweep end to end: runs, skip-on-rerun, report files and plots with data."""
 
 import csv
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import sweep
 
@@ -14,23 +18,32 @@ def run_sweep(tmp_path, model_dir):
     cmd = [sys.executable, "sweep.py", "--algos", "gspo", "grpo", "--seeds", "0", "--parallel", "2",
            "--name", "micro", "--output-dir", str(tmp_path), "--model", str(model_dir),
            "--total-steps", "3", "--eval-every", "1", "--eval-size", "8", "--num-prompts", "4",
-           "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2", "--set", "lr=1e-3,5e-4",
-           "--wandb-mode", "disabled"]
+           "--num-generations", "4", "--max-new-tokens", "24", "--set", "lr=1e-3,5e-4",
+           "--set", "num_minibatches=2,4", "--wandb-mode", "disabled"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
+@pytest.mark.slow
 def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
+    """Two --set flags (the documented form): both axes are swept, the plan line says so before anything runs,
+    and every run's config.json holds its own grid point."""
     out = run_sweep(tmp_path, tiny_policy_dir)
-    assert "gspo-lr1e-3-s0: done" in out and "grpo-lr5e-4-s0: done" in out
+    assert out.splitlines()[0] == ("plan: 8 runs = 2 algos (gspo, grpo) x 1 seeds (0) x 2 lr (1e-3, 5e-4) x "
+                                   "2 num_minibatches (2, 4)")
+    configs = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "micro" / "runs").glob("*/config.json")}
+    assert len(configs) == 8
+    points = {(c["algo"], c["lr"], c["num_minibatches"]) for c in configs.values()}
+    assert points == {(a, lr, n) for a in ("gspo", "grpo") for lr in (1e-3, 5e-4) for n in (2, 4)}
+    assert "gspo-lr1e-3-num_minibatches2-s0: done" in out and "grpo-lr5e-4-num_minibatches2-s0: done" in out
     report = tmp_path / "micro" / "report"
     for name in ("summary.md", "summary.csv", "accuracy.png", "length_buckets.png", "clip.png", "lengths.png"):
         assert (report / name).is_file() and (report / name).stat().st_size > 0, name
     rows = list(csv.DictReader((report / "summary.csv").open()))
-    # the swept lr keeps its own row per algo: the axis is not averaged away
-    assert sorted((r["algo"], r["setting"]) for r in rows) == [("grpo", "lr=1e-3"), ("grpo", "lr=5e-4"),
-                                                              ("gspo", "lr=1e-3"), ("gspo", "lr=5e-4")]
+    # each swept setting keeps its own row per algo: no axis is averaged away
+    assert sorted((r["algo"], r["setting"]) for r in rows) == sorted(
+        (a, f"lr={lr} num_minibatches={n}") for a in ("gspo", "grpo") for lr in ("1e-3", "5e-4") for n in (2, 4))
     assert all(0 <= float(r["accuracy_after_mean"]) <= 1 for r in rows)
 
     runs = sweep.load_runs(tmp_path / "micro" / "runs")
@@ -39,9 +52,10 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     assert all(n > 0 for n in points.values()), points
 
     # an interrupted run (no summary.json) is redone; a finished one is skipped
-    (tmp_path / "micro" / "runs" / "grpo-lr1e-3-s0" / "summary.json").unlink()
+    (tmp_path / "micro" / "runs" / "grpo-lr1e-3-num_minibatches4-s0" / "summary.json").unlink()
     out = run_sweep(tmp_path, tiny_policy_dir)
-    assert "gspo-lr1e-3-s0: skipped (finished)" in out and "grpo-lr1e-3-s0: done" in out
+    assert "gspo-lr1e-3-num_minibatches2-s0: skipped (finished)" in out
+    assert "grpo-lr1e-3-num_minibatches4-s0: done" in out
 
 
 def test_grid_names_and_overrides():
@@ -59,3 +73,28 @@ def test_a_run_stopped_by_an_error_is_not_rerun(tmp_path, tiny_policy_dir):
     assert (name, rc) == ("bad", 2)
     assert "error: --lr must be > 0" in (tmp_path / "bad" / "console.log").read_text()
     assert sweep.launch(flags, "t", train_args, tmp_path, 1)[2] == -2
+
+
+def test_repeated_set_flags_are_gathered_and_mistakes_refused():
+    argv = ["--seeds", "0", "--set", "lr=1e-4,3e-4", "--set=num_minibatches=2,4", "--total-steps", "3"]
+    assert sweep.merge_set_flags(argv) == ["--seeds", "0", "--total-steps", "3", "--set", "lr=1e-4,3e-4",
+                                           "num_minibatches=2,4"]
+    args = sweep.SweepArgs(algos=("gspo", "grpo"), seeds=(0, 1, 2), set=("lr=1e-4,3e-4", "num_minibatches=2,4"))
+    assert len(sweep.grid(args)) == 2 * 3 * 2 * 2
+    for items, train_args, message in [
+            (("lr=1e-4,3e-4", "lr=1e-3"), [], "names lr twice"),
+            (("learning_rate=1e-4",), [], "no field 'learning_rate'"),
+            (("lr",), [], "must look like field=v1,v2"),
+            (("lr=1e-4,",), [], "must look like field=v1,v2"),
+            (("seed=0,1",), [], "with --seeds"),
+            (("lr=1e-4,3e-4",), ["--lr", "1e-3"], "both swept (--set) and fixed")]:
+        with pytest.raises(sweep.SweepError, match=re.escape(message)):
+            sweep.set_axes(items, train_args)
+
+
+def test_a_bad_set_is_one_line_before_any_run(tmp_path):
+    done = subprocess.run([sys.executable, "sweep.py", "--set", "lr=1e-4", "--set", "lr=2e-4", "--output-dir",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: --set names lr twice; give all its values in one: --set lr=v1,v2"]
+    assert not any(tmp_path.iterdir())

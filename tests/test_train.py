@@ -21,7 +21,7 @@ SMALL = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatche
 def run(tmp_path, model_dir, **kw):
     args = train.Args(**{**SMALL, "model": str(model_dir), "output_dir": str(tmp_path), **kw})
     summary = train.train(args)
-    name = kw.get("run_name") or f"{args.algo}-s{args.seed}"
+    name = train.resolve(args)[0].run_name
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
     return summary, metrics, tmp_path / name
 
