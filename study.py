@@ -1,36 +1,49 @@
-"""The study: the regimes where the four objectives part ways, each paper's claim tested on long answers.
+"""The study: each paper's claim about the importance ratio, tested on long answers with a verdict rule that has power.
 
-    python study.py                      # every cell below, 3 seeds, 2 runs at a time; finished runs are skipped
-    python study.py --cells base eh02    # some cells only
-    python study.py --report-only        # rebuild docs/study/ from the finished runs
+    python study.py                      # every run below (resumable: finished runs are skipped), then the report
+    python study.py --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
 
 Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
-completions per rollout) for 40 RL steps (the long120 cells: 120), held-out greedy accuracy every 5 steps. The cells:
+completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, 5 seeds. A seed is one warm start:
+every arm of a seed starts from the same policy, so contrasts are paired by seed. Two cells (regimes):
 
-    base      the four paper presets, lr 5e-5, 4 minibatches per rollout    claims 1, 2, 4; the baseline of 3 and 5
-    eh02      dapo with --epsilon-high 0.2 (clip-higher off)                claim 5
-    stale16   the four presets, 16 minibatches per rollout (lr 5e-5)        claim 3: stale ratios alone
-    stale     the four presets, lr 2e-4 and 16 minibatches per rollout      claims 2 and 3 (stale ratios, big steps)
-    stale-kl  grpo --beta 0 and gspo --beta 0.04, in the stale regime       claim 3: GRPO's KL anchor, separated
-    stale16-kl  the same swap in the stale16 regime                         claim 3: the KL anchor at the base lr
-    long120   grpo, dr_grpo and dapo as in base, for 120 RL steps         claims 4 and 5 at 3x the horizon (the
-    eh02-long120  eh02 for 120 RL steps                                     first 40 steps repeat base's and eh02's)
+    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4
+    stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5
 
-The rule for every comparison: two cells differ only when their mean ± std intervals over seeds do not overlap.
-The report (verdict table, one figure per claim, CSV of every run) goes to docs/study/.
+and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
+preset's β 0.04 would otherwise ride along with the ratio level):
+
+    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo
+    stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04
+
+The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
+    The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
+    from Student's t with n - 1 degrees of freedom. The claim's effect is oriented so that the paper predicts a
+    positive value, at least `predicted` (the paper's number, or "any effect above X" where the paper gives none).
+    not exercised   the manipulation check fails: the intervention did not change what it acts through
+    reproduced      the interval excludes 0 on the predicted side and reaches the predicted effect (lo > 0, hi >= predicted)
+    contradicted    the interval lies wholly below the predicted effect (hi < predicted)
+    inconclusive    neither; the report gives the smallest effect this n detects with 80% power,
+                    MDE = (t_0.975 + t_0.80) * sd / sqrt(n)
+    A claim of "as well as" is judged against a non-inferiority margin m: reproduced when lo > -m, contradicted when
+    hi < -m, else inconclusive.
+The report (verdicts, one figure per claim, every run in runs.csv) goes to docs/study/; the per-step data it is built
+from is committed in docs/study/data/ (one gzipped JSONL per run).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 import sweep
-from sweep import ALGO_COLORS, ALGOS, series, steps_to
+from sweep import ALGO_COLORS, series
 
 STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
 # 8 prompts x 8 completions per rollout (the default run uses 16), 40 RL steps: ~5 run-minutes a run on 1 thread
@@ -72,6 +85,122 @@ def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
                         runs.append({"algo": algo, "seed": str(seed), "run_name": f"{cell}-{arm}-s{seed}",
                                      **regime, **overrides})
     return runs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The claims, pre-registered: quantity, contrast, predicted effect, manipulation check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    title: str
+    source: str
+    quantity: str  # what is measured per seed, with its unit
+    contrast: str  # which arms, paired by seed
+    predicted: float  # the effect the paper predicts, oriented positive, in the quantity's unit
+    manipulation: str  # what must move for the claim to be exercised, and the threshold
+    margin: float | None = None  # "as well as" claims: the non-inferiority margin
+
+
+CLAIMS = [
+    Claim("1-base", "1. ratio spread grows with length (seed note; GSPO §3-4), base",
+          "GSPO §3-4; seed note 000",
+          "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a over length quartiles (per run; mean over the seed's arms); "
+          "GSPO's log s_i = Σ/|y| then goes as |y|^(a-1)",
+          "base, all four arms, per seed", 0.5,
+          "mean |log ρ_t| over the update's tokens >= 1e-3 nats (ratios leave 1 at all)"),
+    Claim("1-stale16", "1. ratio spread grows with length, stale16",
+          "GSPO §3-4; seed note 000",
+          "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a (as above)",
+          "stale16, all six arms, per seed", 0.5,
+          "mean |log ρ_t| >= 1e-3 nats"),
+    Claim("2-clip", "2a. GSPO clips ~100x more units than GRPO (GSPO §5.2)", "GSPO §5.2, Fig. 4",
+          "log10 of the run-mean clip fraction (GSPO: sequences; GRPO: tokens)",
+          "base: gspo - grpo-b0, paired by seed", 2.0,
+          "GRPO clips some tokens at all: its clip fraction > 0 in every seed"),
+    Claim("2-learn", "2b. ...and learns as well (GSPO §5.2)", "GSPO §5.2, Fig. 4",
+          "final held-out accuracy (step 40)",
+          "base: gspo - grpo-b0, paired by seed", 0.0,
+          "GSPO's clip fraction is above GRPO's in every seed (the clipping really differs)", margin=0.10),
+    Claim("3-b0", "3. token-level ratios collapse under stale data, GSPO does not (β = 0)", "GSPO §1, §5.1",
+          "peak-to-final drop of held-out accuracy (max over evaluations minus the last)",
+          "stale16: grpo-b0 - gspo, paired by seed", 0.10,
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base, for both algorithms"),
+    Claim("3-b0.04", "3. the same at β = 0.04", "GSPO §1, §5.1",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo - gspo-b0.04 (both β 0.04), paired by seed", 0.10,
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base"),
+    Claim("4-agg", "4. GRPO's 1/|y| lets wrong answers grow longer (Dr.GRPO §3)", "Dr.GRPO §3.1, Fig. 5",
+          "drift (last 10 minus first 10 steps) of incorrect/correct length within mixed groups "
+          "(charts/len_incorrect_rel: free of which prompts are wrong)",
+          "base: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
+          "lengths differ within a batch: median over steps of longest/shortest completion >= 2 (so 1/|y| "
+          "weights tokens differently)"),
+    Claim("5-entropy", "5. clip-higher keeps entropy up (DAPO §3.1)", "DAPO §3.1, Fig. 2",
+          "log of the entropy ratio, entropy over the last 10 steps (nats/token)",
+          "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
+          "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 (A > 0 and "
+          "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates"),
+]
+# Reported beside claim 4, with no prediction of its own: the std scaling, the other half of Dr.GRPO's change.
+STD_CONTRAST = ("base", "grpo-b0-sumnorm", "dr_grpo")
+MANIPULATION = {"abs_log": 1e-3, "stale_x": 2.0, "length_x": 2.0, "clip_differs": 0.01}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The verdict rule (the module docstring states it)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    """Mean over seeds of a per-seed value (or paired difference), with its 95% t interval and the 80%-power MDE."""
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    sd: float
+    mde: float
+    values: list[float] = field(default_factory=list)
+
+
+def t_quantile(q: float, dof: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(q, dof))
+
+
+def estimate(values) -> Estimate:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    n = len(v)
+    if n < 2:
+        m = float(v[0]) if n else math.nan
+        return Estimate(m, math.nan, math.nan, n, math.nan, math.nan, v.tolist())
+    sd = float(v.std(ddof=1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    mde = (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * sd / math.sqrt(n)
+    return Estimate(float(v.mean()), float(v.mean()) - half, float(v.mean()) + half, n, sd, mde, v.tolist())
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> Estimate:
+    """a - b over the seeds both arms have (they share the seed's warm start)."""
+    return estimate([a[s] - b[s] for s in sorted(set(a) & set(b))])
+
+
+def verdict(e: Estimate, predicted: float, exercised: bool, margin: float | None = None) -> str:
+    if not exercised:
+        return "not exercised"
+    if e.n < 2 or math.isnan(e.lo):
+        return "inconclusive"
+    if margin is not None:  # "as well as": non-inferiority
+        return "reproduced" if e.lo > -margin else "contradicted" if e.hi < -margin else "inconclusive"
+    if e.lo > 0 and e.hi >= predicted:
+        return "reproduced"
+    if e.hi < predicted:
+        return "contradicted"
+    return "inconclusive"
 
 
 # ---------------------------------------------------------------------------------------------------------------
