@@ -102,6 +102,7 @@ class Claim:
     predicted: float  # the effect the paper predicts, oriented positive, in the quantity's unit
     manipulation: str  # what must move for the claim to be exercised, and the threshold
     margin: float | None = None  # "as well as" claims: the non-inferiority margin
+    unit: str = ""
 
 
 CLAIMS = [
@@ -110,39 +111,39 @@ CLAIMS = [
           "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a over length quartiles (per run; mean over the seed's arms); "
           "GSPO's log s_i = Σ/|y| then goes as |y|^(a-1)",
           "base, all four arms, per seed", 0.5,
-          "mean |log ρ_t| over the update's tokens >= 1e-3 nats (ratios leave 1 at all)"),
+          "mean |log ρ_t| over the update's tokens >= 1e-3 nats (ratios leave 1 at all)", unit="exponent"),
     Claim("1-stale16", "1. ratio spread grows with length, stale16",
           "GSPO §3-4; seed note 000",
           "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a (as above)",
           "stale16, all six arms, per seed", 0.5,
-          "mean |log ρ_t| >= 1e-3 nats"),
+          "mean |log ρ_t| >= 1e-3 nats", unit="exponent"),
     Claim("2-clip", "2a. GSPO clips ~100x more units than GRPO (GSPO §5.2)", "GSPO §5.2, Fig. 4",
           "log10 of the run-mean clip fraction (GSPO: sequences; GRPO: tokens)",
           "base: gspo - grpo-b0, paired by seed", 2.0,
-          "GRPO clips some tokens at all: its clip fraction > 0 in every seed"),
+          "GRPO clips some tokens at all: its clip fraction > 0 in every seed", unit="log10"),
     Claim("2-learn", "2b. ...and learns as well (GSPO §5.2)", "GSPO §5.2, Fig. 4",
           "final held-out accuracy (step 40)",
           "base: gspo - grpo-b0, paired by seed", 0.0,
-          "GSPO's clip fraction is above GRPO's in every seed (the clipping really differs)", margin=0.10),
+          "GSPO's clip fraction is above GRPO's in every seed (the clipping really differs)", margin=0.10, unit="accuracy"),
     Claim("3-b0", "3. token-level ratios collapse under stale data, GSPO does not (β = 0)", "GSPO §1, §5.1",
           "peak-to-final drop of held-out accuracy (max over evaluations minus the last)",
           "stale16: grpo-b0 - gspo, paired by seed", 0.10,
-          "staleness acts: mean |log ρ_t| in stale16 >= 2x base, for both algorithms"),
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base, for both algorithms", unit="accuracy"),
     Claim("3-b0.04", "3. the same at β = 0.04", "GSPO §1, §5.1",
           "peak-to-final drop of held-out accuracy",
           "stale16: grpo - gspo-b0.04 (both β 0.04), paired by seed", 0.10,
-          "staleness acts: mean |log ρ_t| in stale16 >= 2x base"),
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
     Claim("4-agg", "4. GRPO's 1/|y| lets wrong answers grow longer (Dr.GRPO §3)", "Dr.GRPO §3.1, Fig. 5",
           "drift (last 10 minus first 10 steps) of incorrect/correct length within mixed groups "
           "(charts/len_incorrect_rel: free of which prompts are wrong)",
           "base: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
           "lengths differ within a batch: median over steps of longest/shortest completion >= 2 (so 1/|y| "
-          "weights tokens differently)"),
+          "weights tokens differently)", unit="ratio"),
     Claim("5-entropy", "5. clip-higher keeps entropy up (DAPO §3.1)", "DAPO §3.1, Fig. 2",
           "log of the entropy ratio, entropy over the last 10 steps (nats/token)",
           "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
           "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 (A > 0 and "
-          "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates"),
+          "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates", unit="log ratio"),
 ]
 # Reported beside claim 4, with no prediction of its own: the std scaling, the other half of Dr.GRPO's change.
 STD_CONTRAST = ("base", "grpo-b0-sumnorm", "dr_grpo")
@@ -204,54 +205,60 @@ def verdict(e: Estimate, predicted: float, exercised: bool, margin: float | None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading the runs
+# The data: each finished run's per-step metrics, committed as docs/study/data/<run>.jsonl.gz
 # ---------------------------------------------------------------------------------------------------------------
 
+# A run that train.py stopped with an error is a result too: the policy broke. (log text -> what it means)
+STOPS = {"non-finite losses": "non-finite stop",
+         "dynamic sampling found": "stopped: dynamic sampling found too few groups with mixed correctness"}
+NAME = re.compile(r"^(?P<cell>[a-z0-9]+)-(?P<arm>.+)-s(?P<seed>\d+)$")
 
-def load(runs_dir: Path) -> list[dict]:
-    """Every run folder the study started: finished (summary.json) or stopped by an error (a non-finite stop)."""
-    out = []
+
+def pack(runs_dir: Path, data_dir: Path) -> list[str]:
+    """Copy every finished (or error-stopped) run under runs_dir into data_dir as one gzipped JSONL: a header line
+    (run, cell, arm, algo, seed, flags, stopped), then one line per logged step. Returns the names newly packed."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    new = []
     for flags_file in sorted(runs_dir.glob("*/sweep.json")):
-        d = flags_file.parent
-        if not (d / "metrics.jsonl").is_file():
+        d, match = flags_file.parent, NAME.match(flags_file.parent.name)
+        out = data_dir / f"{d.name}.jsonl.gz"
+        if out.exists() or not match or not (d / "metrics.jsonl").is_file():
             continue
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
-        finished = (d / "summary.json").is_file()
         log = (d / "console.log").read_text(errors="ignore") if (d / "console.log").is_file() else ""
-        stopped = None if finished else next((why for key, why in STOPS.items() if key in log), None)
-        if not finished and not stopped:
+        stopped = None if (d / "summary.json").is_file() else next((w for k, w in STOPS.items() if k in log), None)
+        if not (d / "summary.json").is_file() and not stopped:
             continue  # still running, or interrupted: not a result yet
         flags = json.loads(flags_file.read_text())
-        out.append({"name": d.name, "cell": d.name.rsplit("-", 2)[0], "algo": flags["algo"],
-                    "seed": int(flags["seed"]), "total_steps": int(flags.get("total_steps", STEPS)), "rows": rows,
-                    "stopped": stopped})
-    return out
+        header = {"run": d.name, "cell": match["cell"], "arm": match["arm"], "algo": flags["algo"],
+                  "seed": int(flags["seed"]), "flags": flags, "stopped": stopped}
+        lines = [json.dumps(header)] + (d / "metrics.jsonl").read_text().splitlines()
+        with gzip.GzipFile(out, "wb", mtime=0) as f:  # mtime 0: the same run packs to the same bytes
+            f.write(("\n".join(lines) + "\n").encode())
+        new.append(d.name)
+    return new
 
 
-def cell_runs(runs: list[dict], cell: str, algo: str) -> list[dict]:
-    return [r for r in runs if r["cell"] == cell and r["algo"] == algo]
+def load(data_dir: Path) -> list[dict]:
+    """Every packed run: its header fields plus `rows` (the per-step metrics)."""
+    runs = []
+    for path in sorted(data_dir.glob("*.jsonl.gz")):
+        header, *rows = [json.loads(line) for line in gzip.open(path, "rt")]
+        runs.append({**header, "name": header["run"], "rows": rows})
+    return runs
 
 
-def mean_std(values) -> tuple[float, float]:
-    """Mean and sample std over seeds; the std is nan for a single run (no spread to compare against)."""
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan) if len(v) else (math.nan, math.nan)
+def arm_runs(runs: list[dict], cell: str, arm: str) -> list[dict]:
+    return [r for r in runs if r["cell"] == cell and r["arm"] == arm]
 
 
-def differ(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """The study's rule: two means differ when their mean ± std intervals do not overlap (never on one seed)."""
-    return a[0] + a[1] < b[0] - b[1] or b[0] + b[1] < a[0] - a[1]
+def by_seed(runs: list[dict], cell: str, arm: str, f) -> dict[int, float]:
+    """seed -> f(run) for one arm."""
+    return {r["seed"]: f(r) for r in arm_runs(runs, cell, arm)}
 
 
-def comparable(*cells: tuple[float, float]) -> bool:
-    """Every cell has at least two seeds, so the rule can be applied."""
-    return all(math.isfinite(m) and math.isfinite(s) for m, s in cells)
-
-
-def fmt(ms: tuple[float, float], digits: int = 3) -> str:
-    if math.isnan(ms[0]):
-        return "n/a"
-    return f"{ms[0]:.{digits}g} (1 seed)" if math.isnan(ms[1]) else f"{ms[0]:.{digits}g} ± {ms[1]:.{digits - 1}g}"
+# ---------------------------------------------------------------------------------------------------------------
+# Per-run quantities
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def run_mean(run: dict, key: str, first: int = 1, last: int | None = None) -> float:
@@ -261,480 +268,496 @@ def run_mean(run: dict, key: str, first: int = 1, last: int | None = None) -> fl
 
 
 def final_accuracy(run: dict) -> float:
-    s, acc = series(run, "eval/accuracy")
-    return float(acc[-1]) if len(acc) else math.nan
+    return float(series(run, "eval/accuracy")[1][-1])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The claims
-# ---------------------------------------------------------------------------------------------------------------
+def peak_drop(run: dict) -> float:
+    """Best held-out accuracy over the run's evaluations minus its last one (0 for a run that ends at its best)."""
+    acc = series(run, "eval/accuracy")[1]
+    return float(acc.max() - acc[-1])
 
 
-def length_exponent(run: dict, key: str) -> float:
-    """Least-squares slope of log std vs log length over every (step, length quartile) of one run."""
+COLLAPSE_DROP = 0.20  # a collapse, counted beside the drop: 20 points below the running peak, or a non-finite stop
+
+
+def collapsed(run: dict) -> bool:
+    return run["stopped"] == STOPS["non-finite losses"] or peak_drop(run) >= COLLAPSE_DROP - 1e-9
+
+
+def length_exponent(run: dict, key: str = "std_logsum") -> float:
+    """Least-squares slope of log std against log length over every (step, length quartile) of one run."""
     xs, ys = [], []
     for q in range(1, 5):
-        s_len, lens = series(run, f"lenbucket/q{q}_len")
-        s_std, stds = series(run, f"lenbucket/q{q}_{key}")
-        by_step = dict(zip(s_std.tolist(), stds.tolist()))
-        for step, length in zip(s_len.tolist(), lens.tolist()):
-            if by_step.get(step, 0) > 0 and length > 0:
-                xs.append(math.log(length))
-                ys.append(math.log(by_step[step]))
+        lens = dict(zip(*[a.tolist() for a in series(run, f"lenbucket/q{q}_len")]))
+        for step, std in zip(*[a.tolist() for a in series(run, f"lenbucket/q{q}_{key}")]):
+            if std > 0 and lens.get(step, 0) > 0:
+                xs.append(math.log(lens[step]))
+                ys.append(math.log(std))
     return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else math.nan
 
 
-def ci95(values) -> tuple[float, float]:
-    """(mean, half-width of the 95% t interval) over seeds."""
-    v = [x for x in values if math.isfinite(x)]
-    if len(v) < 2:
-        return (v[0] if v else math.nan, math.nan)
-    return float(np.mean(v)), T_95.get(len(v), 1.96) * float(np.std(v, ddof=1)) / math.sqrt(len(v))
+def drift(run: dict, key: str, window: int = 10) -> float:
+    """Mean of `key` over the last `window` logged steps minus over the first `window`."""
+    y = series(run, key)[1]
+    return float(y[-window:].mean() - y[:window].mean()) if len(y) >= 2 * window else math.nan
 
 
-def collapse_step(run: dict) -> int | None:
-    """The first evaluation at which held-out accuracy sits COLLAPSE_DROP below its running peak (or the step of a
-    non-finite stop); None when the run never collapsed."""
-    if run["stopped"] == STOPS["non-finite losses"]:
-        return max(r["step"] for r in run["rows"])
-    s, acc = series(run, "eval/accuracy")
-    peak = -1.0
-    for step, a in zip(s.tolist(), acc.tolist()):
-        peak = max(peak, a)
-        if a <= peak - COLLAPSE_DROP:
-            return int(step)
-    return None
+def entropy_last10(run: dict) -> float:
+    return run_mean(run, "losses/entropy", first=max(r["step"] for r in run["rows"]) - 9)
 
 
-def failed(run: dict) -> bool:
-    """Collapsed, stopped by an error, or ended below the accuracy it started from (a run that only ever falls has
-    no peak to fall from)."""
-    return (collapse_step(run) is not None or run["stopped"] is not None
-            or final_accuracy(run) < run["rows"][0].get("eval/accuracy", math.nan))
+def clip_differs(run: dict) -> float:
+    """Fraction of tokens whose clip outcome differs between ε_high 0.2 and 0.28 (A > 0, 1.2 < ρ <= 1.28): the
+    grpo and dapo shadow clip fractions of the same batches differ by exactly these tokens."""
+    return run_mean(run, "clip/shadow_grpo") - run_mean(run, "clip/shadow_dapo")
 
 
-def length_drift(run: dict, key: str) -> float:
-    """Mean of `key` over the last 10 steps minus over the first 10; nan for a run too short for two windows."""
-    return sweep.drift(run, key) if len(series(run, key)[1]) >= 20 else math.nan
+def length_spread(run: dict) -> float:
+    """Median over steps of the batch's longest over its shortest completion."""
+    hi, lo = series(run, "charts/completion_len_max")[1], series(run, "charts/completion_len_min")[1]
+    return float(np.median(hi / np.maximum(lo, 1)))
+
+
+PER_RUN = {  # runs.csv: one row per run, these columns (each a function of the run's rows)
+    "accuracy_before": lambda r: r["rows"][0]["eval/accuracy"], "accuracy_after": final_accuracy,
+    "peak_drop": peak_drop, "collapsed": collapsed, "clip_frac_mean": lambda r: run_mean(r, "clip/frac"),
+    "abs_log_ratio_mean": lambda r: run_mean(r, "ratio/abs_log_token"), "clip_differs_eh": clip_differs,
+    "exp_logsum": length_exponent, "exp_log_s": lambda r: length_exponent(r, "std_log_s"),
+    "entropy_last10": entropy_last10, "len_incorrect_rel_drift": lambda r: drift(r, "charts/len_incorrect_rel"),
+    "len_incorrect_drift": lambda r: drift(r, "charts/len_incorrect"), "length_spread": length_spread,
+    "minutes": lambda r: next((row["perf/elapsed_min"] for row in reversed(r["rows"]) if "perf/elapsed_min" in row),
+                              math.nan),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The report
+# Each claim: its estimate, its manipulation check, its verdict
 # ---------------------------------------------------------------------------------------------------------------
 
-CELL_STYLES = {"base": "-", "eh02": "--", "stale16": (0, (5, 1, 1, 1, 1, 1)), "stale": ":",  # one line style
-               "stale-kl": "-.", "stale16-kl": (0, (1, 2)), "long120": (0, (8, 2)),  # per cell, in every figure
-               "eh02-long120": (0, (3, 1, 1, 1))}
+
+def judge(runs: list[dict]) -> list[dict]:
+    """One row per claim: the estimate, the manipulation check (value, passed), the verdict, and the secondary
+    numbers printed beside it."""
+    claims = {c.key: c for c in CLAIMS}
+    abs_log = lambda cell, arm: by_seed(runs, cell, arm, lambda r: run_mean(r, "ratio/abs_log_token"))  # noqa: E731
+    mean_of = lambda d: float(np.mean(list(d.values()))) if d else math.nan  # noqa: E731
+    rows = []
+
+    def add(key, est, check_value, check_text, passed, extra=""):
+        c = claims[key]
+        rows.append({"key": key, "claim": c.title, "quantity": c.quantity, "contrast": c.contrast,
+                     "predicted": c.predicted, "margin": c.margin, "estimate": est, "check": check_text,
+                     "check_value": check_value, "exercised": passed,
+                     "verdict": verdict(est, c.predicted, passed, c.margin), "extra": extra})
+
+    # 1. per regime: the exponent, per seed averaged over the regime's arms (runs of a seed share a warm start)
+    for cell in ("base", "stale16"):
+        per_seed: dict[int, list[float]] = {}
+        for r in runs:
+            if r["cell"] == cell:
+                per_seed.setdefault(r["seed"], []).append(length_exponent(r))
+        est = estimate([np.mean(v) for v in per_seed.values()])
+        log_s = estimate([np.mean([length_exponent(r, "std_log_s") for r in runs
+                                   if r["cell"] == cell and r["seed"] == s]) for s in per_seed])
+        moved = float(np.mean([run_mean(r, "ratio/abs_log_token") for r in runs if r["cell"] == cell] or [math.nan]))
+        add(f"1-{cell}", est, moved, f"mean |log ρ_t| {moved:.2g} nats", moved >= MANIPULATION["abs_log"],
+            f"log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5)")
+
+    # 2. base, GSPO vs GRPO at β = 0
+    clip = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+    ratio = paired({s: math.log10(v) for s, v in clip["gspo"].items() if v > 0},
+                   {s: math.log10(v) for s, v in clip["grpo-b0"].items() if v > 0})
+    grpo_clips = bool(clip["grpo-b0"]) and all(v > 0 for v in clip["grpo-b0"].values())
+    add("2-clip", ratio, mean_of(clip["grpo-b0"]),
+        f"GRPO clip fraction {mean_of(clip['grpo-b0']):.2g} (> 0 in {sum(v > 0 for v in clip['grpo-b0'].values())}"
+        f" of {len(clip['grpo-b0'])} seeds)", grpo_clips,
+        f"GSPO {mean_of(clip['gspo']):.3g} of sequences vs GRPO {mean_of(clip['grpo-b0']):.2g} of tokens: "
+        f"{10 ** ratio.mean:.0f}x" if math.isfinite(ratio.mean) else "")
+    acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("gspo", "grpo-b0")}
+    more = [clip["gspo"][s] > clip["grpo-b0"][s] for s in set(clip["gspo"]) & set(clip["grpo-b0"])]
+    add("2-learn", paired(acc["gspo"], acc["grpo-b0"]), float(np.mean(more)) if more else math.nan,
+        f"GSPO clips more in {sum(more)} of {len(more)} seeds", bool(more) and all(more),
+        f"final accuracy GSPO {level(acc['gspo'].values())}, GRPO {level(acc['grpo-b0'].values())}")
+
+    # 3. stale16, matched β: the drop from peak, with staleness checked against base
+    stale_x = {a: mean_of(abs_log("stale16", s)) / mean_of(abs_log("base", b))
+               for a, s, b in (("grpo", "grpo-b0", "grpo-b0"), ("gspo", "gspo", "gspo"))}
+    stale_ok = all(x >= MANIPULATION["stale_x"] for x in stale_x.values())
+    stale_text = "mean |log ρ_t| stale16 / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in stale_x.items())
+    for key, grpo_arm, gspo_arm in (("3-b0", "grpo-b0", "gspo"), ("3-b0.04", "grpo", "gspo-b0.04")):
+        drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (grpo_arm, gspo_arm)}
+        fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (grpo_arm, gspo_arm)}
+        counts = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
+                  for a in (grpo_arm, gspo_arm)}
+        add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale_x.values()), stale_text, stale_ok,
+            f"drop GRPO {level(drop[grpo_arm].values())}, GSPO {level(drop[gspo_arm].values())}; "
+            f"collapsed (20 points below peak) GRPO {counts[grpo_arm][0]}/{counts[grpo_arm][1]}, GSPO "
+            f"{counts[gspo_arm][0]}/{counts[gspo_arm][1]}; final accuracy GSPO - GRPO "
+            f"{fmt_est(paired(fin[gspo_arm], fin[grpo_arm]))}")
+
+    # 4. base, aggregation only; the std scaling reported beside it
+    rel = {a: by_seed(runs, "base", a, lambda r: drift(r, "charts/len_incorrect_rel"))
+           for a in ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")}
+    tokens = {a: by_seed(runs, "base", a, lambda r: drift(r, "charts/len_incorrect")) for a in ("grpo-b0", "grpo-b0-sumnorm")}
+    spread = float(np.median([length_spread(r) for r in runs if r["cell"] == "base"] or [math.nan]))
+    add("4-agg", paired(rel["grpo-b0"], rel["grpo-b0-sumnorm"]), spread,
+        f"longest/shortest completion per batch, median {spread:.1f}x", spread >= MANIPULATION["length_x"],
+        f"drift of incorrect/correct length: GRPO {level(rel['grpo-b0'].values())}, with Dr.GRPO's "
+        f"aggregation {level(rel['grpo-b0-sumnorm'].values())}; in tokens GRPO - sum-norm "
+        f"{fmt_est(paired(tokens['grpo-b0'], tokens['grpo-b0-sumnorm']), 2)}; std scaling alone (sum-norm - "
+        f"dr_grpo) {fmt_est(paired(rel['grpo-b0-sumnorm'], rel['dr_grpo']))}")
+
+    # 5. stale16, DAPO with and without clip-higher
+    ent = {a: by_seed(runs, "stale16", a, entropy_last10) for a in ("dapo", "dapo-eh0.2")}
+    differs = mean_of(by_seed(runs, "stale16", "dapo-eh0.2", clip_differs))
+    fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in ("dapo", "dapo-eh0.2")}
+    add("5-entropy", paired({s: math.log(v) for s, v in ent["dapo"].items()},
+                            {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
+        f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
+        f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
+        f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
+        f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
+    return rows
 
 
-def style(cell: str, algo: str) -> dict:
-    return {"color": ALGO_COLORS[algo], "linestyle": CELL_STYLES[cell]}
+def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
+    """'mean [lo, hi] (n)': the interval is the 95% t interval over seeds; signed for differences."""
+    if e.n == 0:
+        return "n/a"
+    f = f"{'+' if signed else ''}.{digits}g"
+    if e.n < 2:
+        return f"{e.mean:{f}} (1 seed)"
+    return f"{e.mean:{f}} [{e.lo:{f}}, {e.hi:{f}}] (n={e.n})"
 
 
-def label(cell: str, algo: str, runs: list[dict]) -> str:
-    extra = " ε_high=0.2" if cell.startswith("eh02") else f" β={KL_SWAP.get(algo, '')}" if cell.endswith("-kl") else ""
-    return f"{algo}{extra} [{cell}, {len(runs)} seeds]"
+def level(values) -> str:
+    """An arm's own value (not a difference): mean [95% t interval] (n)."""
+    return fmt_est(estimate(values), signed=False)
 
 
-def claim_length(runs: list[dict]) -> dict:
-    """Claim 1: exponents of std(Σ_t log ρ_t) and std(log s_i) against length, per algo (base and stale)."""
-    out = {}
-    for cell in ("base", "stale"):
-        for algo in ALGOS:
-            rs = cell_runs(runs, cell, algo)
-            if rs:
-                out[(cell, algo)] = {k: ci95([length_exponent(r, k) for r in rs]) for k in ("std_logsum", "std_log_s")}
-    pooled = [r for r in runs if r["cell"] == "base"]
-    out["pooled"] = {k: ci95([length_exponent(r, k) for r in pooled]) for k in ("std_logsum", "std_log_s")}
-    return out
+# ---------------------------------------------------------------------------------------------------------------
+# Figures: bands are the statistic the verdicts use (mean over seeds with its 95% t interval)
+# ---------------------------------------------------------------------------------------------------------------
+
+ARM_STYLES = {"grpo-b0": "-", "gspo": "-", "dapo": "-", "dr_grpo": "-",  # colour: the algorithm (sweep.ALGO_COLORS)
+              "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":"}  # line style: the arm
+ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high=0.28", "dr_grpo": "Dr.GRPO",
+              "grpo-b0-sumnorm": "GRPO β=0, Dr.GRPO aggregation", "dapo-eh0.2": "DAPO ε_high=0.2",
+              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04"}
 
 
-def exponent_verdict(ms: tuple[float, float], predicted: float, sign: int) -> str:
-    """Reproduced when the 95% interval holds the i.i.d. exponent or lies beyond it (faster growth / shrinkage)."""
-    mean, half = ms
-    if math.isnan(mean) or math.isnan(half):
-        return "inconclusive"
-    lo, hi = mean - half, mean + half
-    if lo <= predicted <= hi or (sign > 0 and lo > predicted) or (sign < 0 and hi < predicted):
-        return "reproduced"
-    return "not reproduced"
+def style(runs: list[dict]) -> dict:
+    return {"color": ALGO_COLORS[runs[0]["algo"]], "linestyle": ARM_STYLES[runs[0]["arm"]],
+            "label": f"{ARM_LABELS[runs[0]['arm']]} ({len(runs)} seeds)"}
 
 
-STALE_CELLS = ("stale16", "stale")  # claim 3's regimes, mildest first
-STALE_NAMES = {"stale16": "16 minibatches, lr 5e-5", "stale": "16 minibatches, lr 2e-4"}
-TOKEN_ALGOS = ("grpo", "dr_grpo", "dapo")
+def band(ax, runs: list[dict], key: str, log: bool = False, marker: str | None = None) -> int:
+    """Mean over seeds and its 95% t interval at each step all runs logged (in log space when `log`)."""
+    curves = [dict(zip(*[a.tolist() for a in series(r, key)])) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if log:
+        steps = [t for t in steps if all(c[t] > 0 for c in curves)]
+    if not steps:
+        return 0
+    ys = np.array([[c[t] for t in steps] for c in curves])
+    ys = np.log(ys) if log else ys
+    mean = ys.mean(0)
+    half = t_quantile(0.975, len(runs) - 1) * ys.std(0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else 0 * mean
+    back = np.exp if log else (lambda x: x)
+    st = style(runs)
+    ax.plot(steps, back(mean), marker=marker, ms=3, **st)
+    ax.fill_between(steps, back(mean - half), back(mean + half), color=st["color"], alpha=0.15, lw=0)
+    if log:
+        ax.set_yscale("log")
+    return len(steps)
 
 
-def stability_verdict(gspo: tuple[int, int], token: list[tuple[int, int]]) -> str:
-    """Claim 3 in one regime, from (failed, runs) counts: reproduced when GSPO never fails while at least two
-    token-level objectives fail in most of their seeds; not reproduced when GSPO fails at least as often as the
-    token-level objectives on average (including when none fails); inconclusive otherwise or with < 2 seeds."""
-    if not token or gspo[1] < 2 or any(m < 2 for _, m in token):
-        return "inconclusive"
-    if gspo[0] == 0 and sum(n > m / 2 for n, m in token) >= 2:
-        return "reproduced"
-    if gspo[0] / gspo[1] >= np.mean([n / m for n, m in token]):
-        return "not reproduced"
-    return "inconclusive"
+def legend_below(fig, axes) -> None:
+    """One legend under the panels, never over the data."""
+    seen = {}
+    for ax in np.atleast_1d(axes).flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(seen.values(), seen.keys(), loc="lower center", ncol=min(3, len(seen)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(seen) - 1) // 3), 1, 1))
 
 
-def matched_beta(acc: dict, cell: str) -> str:
-    """GRPO against GSPO at the same KL weight (the presets differ in β as well as in the ratio): one from the
-    cell, the other from its KL-swapped twin, compared by the study's rule."""
-    twin = cell + "-kl"
-    pairs = {"0": ((twin, "grpo"), (cell, "gspo")), "0.04": ((cell, "grpo"), (twin, "gspo"))}
-    parts = []
-    for beta, (g, s) in pairs.items():
-        a, b = acc[g], acc[s]  # every cell x algo has an entry (nan without runs)
-        if comparable(a, b):
-            verdict = "same by the rule" if not differ(a, b) else ("GSPO higher" if b[0] > a[0] else "GRPO higher")
-            parts.append(f"β={beta}: GRPO {fmt(a)} vs GSPO {fmt(b)} ({verdict})")
-    return f"; at equal β, final accuracy: {', '.join(parts)}" if parts else ""
+def save(fig, path: Path) -> int:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    points = sweep.plotted_points(fig)
+    plt.close(fig)
+    return points
 
 
-def repeats_base(run: dict, runs: list[dict]) -> bool | None:
-    """Whether a 120-step run's first STEPS steps are those of the 40-step run it extends (same algo and seed),
-    metric for metric (timings aside); None without that run."""
-    twin = [r for r in cell_runs(runs, LONGER[run["cell"]], run["algo"]) if r["seed"] == run["seed"]]
-    head = lambda rows: [{k: v for k, v in row.items() if not k.startswith("perf/")}  # noqa: E731
-                         for row in rows if row["step"] <= STEPS]
-    return head(run["rows"]) == head(twin[0]["rows"]) if twin else None
-
-
-def per_horizon(judged: dict[str, str]) -> str:
-    """One verdict when the 40- and 120-step cells agree (or one alone could be judged), else each with its own."""
-    judged = {h: v for h, v in judged.items() if v != "inconclusive"} or {"": "inconclusive"}
-    return next(iter(judged.values())) if len(set(judged.values())) == 1 else \
-        "; ".join(f"{h}: {v}" for h, v in judged.items())
-
-
-def above(a: tuple[float, float], b: tuple[float, float], also: bool = True) -> str:
-    """A claim that a's mean is above b's: reproduced when it is and they differ by the rule (and `also` holds),
-    inconclusive without two seeds on each side."""
-    if not comparable(a, b):
-        return "inconclusive"
-    return "reproduced" if also and a[0] > b[0] and differ(a, b) else "not reproduced"
-
-
-def verdicts(runs: list[dict]) -> tuple[list[dict], dict]:
-    """The verdict table's rows, and the numbers behind them."""
-    rows, numbers = [], {}
-    # 1. length and ratio spread
-    ln = claim_length(runs)
-    numbers["length"] = ln
-    grow, shrink = ln["pooled"]["std_logsum"], ln["pooled"]["std_log_s"]
-    per_algo = "; ".join(f"{a} {ln[('base', a)]['std_logsum'][0]:+.2f}/{ln[('base', a)]['std_log_s'][0]:+.2f}"
-                         for a in ALGOS if ("base", a) in ln)
-    v_grow, v_shrink = exponent_verdict(grow, 0.5, +1), exponent_verdict(shrink, -0.5, -1)
-    rows.append({"claim": "1. ratio spread vs length (seed note; GSPO §4)",
-                 "predicted": "std Σ_t log ρ_t ∝ |y|^0.5 (or faster); std log s_i ∝ |y|^-0.5",
-                 "measured": f"exponents (95% CI, base cell, all algos): Σ {grow[0]:+.2f} ± {grow[1]:.2f}, "
-                             f"log s {shrink[0]:+.2f} ± {shrink[1]:.2f}; per algo Σ/log s: {per_algo}",
-                 "verdict": v_grow if v_grow == v_shrink else f"Σ: {v_grow}; log s: {v_shrink}"})
-    # 2. clip fractions
-    clip = {(c, a): mean_std([run_mean(r, "clip/frac") for r in cell_runs(runs, c, a)])
-            for c in ("base",) + STALE_CELLS for a in ALGOS}
-    numbers["clip"] = clip
-    measured, ratio = [], {}
-    for c in ("base",) + STALE_CELLS:
-        g, t = clip[(c, "gspo")][0], clip[(c, "grpo")][0]
-        if math.isfinite(g) and math.isfinite(t) and t > 0:
-            ratio[c] = g / t
-            measured.append(f"{c}: GSPO {g:.3g} of sequences vs GRPO {t:.3g} of tokens ({g / t:.0f}x)")
-    acc = {(c, a): mean_std([final_accuracy(r) for r in cell_runs(runs, c, a)]) for c in CELLS for a in ALGOS}
-    numbers["accuracy"] = acc
-    start = mean_std([r["rows"][0].get("eval/accuracy") for r in runs if r["rows"]])
-    threshold = round(start[0] + 0.2, 2) if math.isfinite(start[0]) else 0.5
-    reach = {a: mean_std([steps_to(r, threshold) for r in cell_runs(runs, "base", a)]) for a in ALGOS}
-    numbers["steps_to"] = (threshold, reach)
-    learn_known = comparable(acc[("base", "gspo")], acc[("base", "grpo")])
-    learn_ok = not differ(acc[("base", "gspo")], acc[("base", "grpo")]) or acc[("base", "gspo")][0] > acc[("base", "grpo")][0]
-    measured.append(f"final accuracy (base) GSPO {fmt(acc[('base', 'gspo')])} vs GRPO {fmt(acc[('base', 'grpo')])}; "
-                    f"steps to {threshold:g}: GSPO {fmt(reach['gspo'], 2)}, GRPO {fmt(reach['grpo'], 2)}")
-    rows.append({"claim": "2. GSPO clips ~100x more, learns as well (GSPO §5.2)",
-                 "predicted": "clip fraction ratio ~100 (we require >= 30 in the base cell); GSPO learns at least as "
-                              "well (final accuracy not below GRPO's by the rule)",
-                 "measured": "; ".join(measured),
-                 # judged in the paper's regime (base: 4 minibatches); the stale ratio is reported beside it
-                 "verdict": "inconclusive" if "base" not in ratio or not learn_known else
-                 "reproduced" if ratio["base"] >= 30 and learn_ok else
-                 "not reproduced" if ratio["base"] < 30 and not learn_ok else
-                 f"clip ratio: {'reproduced' if ratio['base'] >= 30 else 'not reproduced'}; learning: "
-                 f"{'reproduced' if learn_ok else 'not reproduced'}"})
-    # 3. stability under stale ratios: staleness alone (stale16), then with a 4x larger lr (stale)
-    coll, fail = {}, {}
-    for c in ("base",) + STALE_CELLS + tuple(f"{c}-kl" for c in STALE_CELLS):
-        for a in ALGOS:
-            rs = cell_runs(runs, c, a)
-            if rs:
-                coll[(c, a)] = (sum(collapse_step(r) is not None for r in rs), len(rs))
-                fail[(c, a)] = (sum(failed(r) for r in rs), len(rs))
-    numbers["collapse"], numbers["failed"] = coll, fail
-    measured, per_regime = [], {}
-    for c in STALE_CELLS:
-        if (c, "gspo") not in fail:
-            continue
-        per_regime[c] = stability_verdict(fail[(c, "gspo")], [fail[(c, a)] for a in TOKEN_ALGOS if (c, a) in fail])
-        each_algo = ", ".join(f"{a} {coll[(c, a)][0]}/{coll[(c, a)][1]} collapsed, {fail[(c, a)][0]} failed, final "
-                              f"{fmt(acc[(c, a)])}" for a in ALGOS if (c, a) in coll)
-        kl = ", ".join(f"{a} β={KL_SWAP[a]} {coll[(c + '-kl', a)][0]}/{coll[(c + '-kl', a)][1]} collapsed, "
-                       f"{fail[(c + '-kl', a)][0]} failed, final {fmt(acc[(c + '-kl', a)])}"
-                       for a in ("grpo", "gspo") if (c + "-kl", a) in fail)
-        measured.append(f"{c} ({STALE_NAMES[c]}): {each_algo}" + (f"; KL swapped: {kl}" if kl else "")
-                        + matched_beta(acc, c))
-    verdict3 = "; ".join(f"{c}: {v}" for c, v in per_regime.items()) or "inconclusive"
-    if len(set(per_regime.values())) == 1:
-        verdict3 = next(iter(per_regime.values()))
-    rows.append({"claim": "3. token-level ratios collapse under stale data; GSPO does not (GSPO headline)",
-                 "predicted": "collapses for GRPO/Dr.GRPO/DAPO, none for GSPO",
-                 "measured": "per algo: collapsed (pre-registered rule), failed (collapsed, ended below its start, or "
-                             "stopped), final accuracy; " + " | ".join(measured),
-                 "verdict": verdict3})
-    # 4. length bias
-    drift = {(c, a): mean_std([length_drift(r, "charts/len_incorrect") for r in cell_runs(runs, c, a)])
-             for c in ("base", "long120") + STALE_CELLS for a in ("grpo", "dr_grpo")}
-    numbers["len_incorrect_drift"] = drift
-    rows.append({"claim": "4. GRPO's 1/|y| lets incorrect answers grow longer than Dr.GRPO's (Dr.GRPO)",
-                 "predicted": "incorrect length rises under GRPO, flat under Dr.GRPO",
-                 "measured": "incorrect-answer length, last 10 minus first 10 steps (tokens): " + "; ".join(
-                     f"{c}{f' ({LONG_STEPS} steps)' if c == 'long120' else ''}: GRPO {fmt(drift[(c, 'grpo')], 2)}, "
-                     f"Dr.GRPO {fmt(drift[(c, 'dr_grpo')], 2)}" for c in ("base", "long120") + STALE_CELLS
-                     if c == "base" or comparable(drift[(c, "grpo")], drift[(c, "dr_grpo")])),
-                 # GRPO's incorrect answers lengthen, and more than Dr.GRPO's
-                 "verdict": per_horizon({f"{n} steps": above(drift[(c, "grpo")], drift[(c, "dr_grpo")],
-                                                             also=drift[(c, "grpo")][0] > 0)
-                                         for n, c in ((STEPS, "base"), (LONG_STEPS, "long120"))})})
-    # 5. clip-higher and entropy
-    ent = {(c, a): mean_std([run_mean(r, "losses/entropy", first=r["total_steps"] - 9) for r in cell_runs(runs, c, a)])
-           for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"), ("long120", "dapo"),
-                        ("eh02-long120", "dapo"))}
-    numbers["entropy_last10"] = ent
-    hi, lo = ent[("base", "dapo")], ent[("eh02", "dapo")]
-    hi3, lo3 = ent[("long120", "dapo")], ent[("eh02-long120", "dapo")]
-    rows.append({"claim": "5. clip-higher (ε_high 0.28) keeps entropy higher (DAPO §3.1)",
-                 "predicted": "entropy DAPO > DAPO with ε_high 0.2, and higher accuracy",
-                 "measured": f"entropy (nats/token, last 10 steps): DAPO {fmt(hi)}, ε_high 0.2 {fmt(lo)}, GRPO "
-                             f"{fmt(ent[('base', 'grpo')])}; final accuracy DAPO {fmt(acc[('base', 'dapo')])}, "
-                             f"ε_high 0.2 {fmt(acc[('eh02', 'dapo')])}" + (
-                                 f"; {LONG_STEPS} steps (long120): entropy DAPO {fmt(hi3)}, ε_high 0.2 {fmt(lo3)}, final "
-                                 f"accuracy DAPO {fmt(acc[('long120', 'dapo')])}, ε_high 0.2 "
-                                 f"{fmt(acc[('eh02-long120', 'dapo')])}" if comparable(hi3, lo3) else ""),
-                 "verdict": per_horizon({f"{STEPS} steps": above(hi, lo), f"{LONG_STEPS} steps": above(hi3, lo3)})})
-    return rows, numbers
-
-
-PRECURSORS = ("ratio/token_var", "ratio/seq_logsum_var", "clip/frac", "losses/entropy", "losses/grad_norm")
-
-
-def precursor_rows(runs: list[dict], window: int = EVAL_EVERY) -> list[str]:
-    """Markdown rows: each collapsed run's diagnostics over the `window` steps before its collapse, next to the same
-    steps' mean over the runs of its cell that did not collapse."""
-    lines = []
-    for r in runs:
-        step = collapse_step(r)
-        if step is None:
-            continue
-        calm = [o for o in runs if o["cell"] == r["cell"] and collapse_step(o) is None]
-        cells = []
-        for key in PRECURSORS:
-            mine = run_mean(r, key, first=step - window + 1, last=step)
-            theirs = np.nanmean([run_mean(o, key, first=step - window + 1, last=step) for o in calm]) if calm else math.nan
-            cells.append(f"{mine:.3g} ({theirs:.3g})")
-        lines.append(f"| {r['name']} | {step} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def write_figures(runs: list[dict], out: Path) -> dict[str, int]:
-    """One PNG per claim; returns the number of plotted points in each (0 would mean an empty figure)."""
+def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tuple[int, str]]:
+    """One PNG per claim and a headline; returns name -> (plotted points, caption)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    band = sweep.mean_band
-    points = {}
+    figs = {}
 
-    def each(cells, algos=ALGOS):
-        for c in cells:
-            for a in algos:
-                rs = cell_runs(runs, c, a)
-                if rs:
-                    yield c, a, rs
+    def arms(cell, names):
+        return [rs for a in names if (rs := arm_runs(runs, cell, a))]
 
-    # claim 1: bucket std against length, log-log, with the i.i.d. slopes
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, a, rs in each(("base", "stale")):
-        for ax, key in zip(axes, ("std_logsum", "std_log_s")):
-            pts = sweep.length_bucket_points(rs, key)
-            if pts:
-                x, y = np.array(pts).T
-                ax.loglog(x, y, marker="o", label=label(c, a, rs), **style(c, a))
-    for ax, power, name in ((axes[0], 0.5, "|y|^0.5"), (axes[1], -0.5, "|y|^-0.5")):
+    # headline: every claim's estimate with its interval, against 0 and the predicted effect
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 0.9 * len(rows) + 0.6))
+    for ax, row in zip(np.atleast_1d(axes), rows):
+        e, c = row["estimate"], {c.key: c for c in CLAIMS}[row["key"]]
+        target = -c.margin if c.margin is not None else c.predicted
+        if math.isfinite(e.lo):
+            ax.plot([e.lo, e.hi], [0, 0], color="black", lw=2)
+        ax.plot([e.mean], [0], "o", color="black")
+        ax.axvline(0, color="gray", lw=1, ls=":")
+        ax.axvline(target, color="tab:purple", lw=1.5, ls="--")
+        span = [v for v in (e.lo, e.hi, e.mean, 0, target) if math.isfinite(v)]
+        pad = 0.15 * (max(span) - min(span) or 1)
+        ax.set_xlim(min(span) - pad, max(span) + pad)
+        ax.set_yticks([])
+        ax.set_title(f"{c.title} [{c.unit}]: {row['verdict']}", fontsize=8, loc="left")
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    figs["claims"] = (save(fig, out / "claims.png"), "each claim's estimate (dot) with its 95% t interval over seeds "
+                      "(bar), no effect (grey dotted) and the predicted effect or the non-inferiority margin (purple "
+                      "dashed), in the claim's unit")
+
+    # claim 1: spread of Σ_t log ρ_t against length, per regime
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    points = 0
+    for ax, cell in zip(axes, ("base", "stale16")):
+        for rs in arms(cell, CELLS[cell][1]):
+            xs, ys = [], []
+            for q in range(1, 5):
+                per_seed = [(run_mean(r, f"lenbucket/q{q}_len"),
+                             math.log(math.sqrt(np.mean(np.square(series(r, f"lenbucket/q{q}_std_logsum")[1])))))
+                            for r in rs]
+                xs.append(np.mean([p[0] for p in per_seed]))
+                ys.append([p[1] for p in per_seed])
+            ys = np.array(ys)  # (quartiles, seeds), log std
+            half = (t_quantile(0.975, ys.shape[1] - 1) * ys.std(1, ddof=1) / math.sqrt(ys.shape[1])
+                    if ys.shape[1] > 1 else 0 * ys[:, 0])
+            st = style(rs)
+            ax.plot(xs, np.exp(ys.mean(1)), marker="o", ms=3, **st)
+            ax.fill_between(xs, np.exp(ys.mean(1) - half), np.exp(ys.mean(1) + half), color=st["color"], alpha=0.12)
+            points += len(xs)
         lines = ax.get_lines()
         if lines:
             x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
             y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
-            ax.loglog(x, y0 * (x / np.exp(np.log(x).mean())) ** power, "k", lw=1, alpha=0.6, label=f"∝ {name} (i.i.d.)")
-        ax.set(xlabel="completion length |y| (tokens, quartile mean)")
-        ax.legend(fontsize=6)
-    axes[0].set(title="std of Σ_t log ρ_t over sequences", ylabel="std (nats), RMS over steps and seeds")
-    axes[1].set(title="std of GSPO's log s_i over sequences")
-    points["claim1_length"] = sweep.save_figure(fig, out / "claim1_length.png")
+            ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
+        ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t",
+               xlabel="completion length |y| (tokens, quartile mean)")
+    axes[0].set_ylabel("std (nats): RMS over steps, geometric mean over seeds")
+    legend_below(fig, axes)
+    figs["claim1_length"] = (save(fig, out / "claim1_length.png") and points, "spread of the unnormalised sequence "
+                             "log-ratio per length quartile, log-log; line: geometric mean over seeds, band: 95% t "
+                             "interval in log space; black: the i.i.d. slope 0.5")
 
-    # claim 2: clip fractions and learning speed
+    # claim 2: clip fractions and accuracy in base, at β = 0
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, a, rs in each(("base",) + STALE_CELLS):
-        band(axes[0], rs, "clip/frac", label(c, a, rs), **style(c, a))
-        band(axes[1], rs, "eval/accuracy", label(c, a, rs), marker="o", ms=3, **style(c, a))
-    axes[0].set(title="clip fraction (GSPO: sequences; others: tokens)", xlabel="RL step", ylabel="fraction clipped",
-                yscale="log")
+    points = 0
+    for rs in arms("base", ("gspo", "grpo-b0")):
+        points += band(axes[0], rs, "clip/frac", log=True)
+        points += band(axes[1], rs, "eval/accuracy", marker="o")
+    axes[0].set(title="clip fraction (GSPO: sequences; GRPO: tokens), log", xlabel="RL step", ylabel="fraction clipped")
     axes[1].set(title="held-out greedy accuracy", xlabel="RL step", ylabel="accuracy")
-    axes[0].legend(fontsize=6)
-    points["claim2_clip"] = sweep.save_figure(fig, out / "claim2_clip.png")
+    legend_below(fig, axes)
+    figs["claim2_clip"] = (save(fig, out / "claim2_clip.png") and points, "base cell, both at β = 0: mean over seeds "
+                           "with its 95% t interval (the clip fraction in log space)")
 
-    # claim 3: the stale regimes: accuracy per seed (one panel per cell), and what precedes a collapse
-    fig, axes = plt.subplots(2, 5, figsize=(25, 8))
-    stale = tuple(cell for c in STALE_CELLS for cell in (c, c + "-kl"))  # each regime beside its KL swap
-    for c, a, rs in each(stale):
-        ax = axes[0, stale.index(c)]
-        for i, r in enumerate(rs):
-            s, acc = series(r, "eval/accuracy")
-            ax.plot(s, acc, marker="o", ms=3, lw=1, label=label(c, a, rs) if i == 0 else None, **style(c, a))
-            cs = collapse_step(r)
-            if cs is not None:
-                ax.plot([cs], [dict(zip(s.tolist(), acc.tolist())).get(cs, 0)], "kx", ms=8)
-        for ax, key in zip(list(axes.flat)[4:], ("ratio/token_var", "clip/frac", "losses/entropy",
-                                                  "losses/grad_norm", "ratio/seq_logsum_var")):
-            band(ax, rs, key, label(c, a, rs), **style(c, a))
-    for ax, c in zip(axes[0, :4], stale):
-        ax.set(title=f"{c}: held-out accuracy, each seed (x: collapse)", xlabel="RL step", ylabel="accuracy",
-               ylim=(0, 1))
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
-    for ax, (title, ylabel, log) in zip(list(axes.flat)[4:], (
-            ("variance of token ratios ρ_t", "var", True), ("clip fraction", "fraction", True),
-            ("entropy of π_old", "nats/token", False), ("gradient norm before clipping", "L2 norm", True),
-            ("variance of Σ_t log ρ_t", "nats²", True))):
-        ax.set(title=title, xlabel="RL step", ylabel=ylabel, yscale="log" if log else "linear")
-    axes[0, 4].legend(fontsize=5)
-    axes[1, 4].axis("off")
-    points["claim3_stability"] = sweep.save_figure(fig, out / "claim3_stability.png")
-
-    # claim 4: lengths of correct and incorrect completions, GRPO vs Dr.GRPO
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for c, a, rs in each(("base", "long120", "stale"), ("grpo", "dr_grpo")):
-        band(axes[0], rs, "charts/len_incorrect", label(c, a, rs), **style(c, a))
-        band(axes[1], rs, "charts/len_correct", label(c, a, rs), **style(c, a))
-    axes[0].set(title="mean length of incorrect completions", xlabel="RL step", ylabel="tokens")
-    axes[1].set(title="mean length of correct completions", xlabel="RL step")
-    axes[0].legend(fontsize=6)
-    points["claim4_length_bias"] = sweep.save_figure(fig, out / "claim4_length_bias.png")
-
-    # claim 5: entropy with and without clip-higher
+    # claim 3: stale16 at matched β
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c, a in (("base", "dapo"), ("eh02", "dapo"), ("base", "grpo"), ("long120", "dapo"), ("eh02-long120", "dapo")):
-        rs = cell_runs(runs, c, a)
-        if rs:
-            band(axes[0], rs, "losses/entropy", label(c, a, rs), **style(c, a))
-            band(axes[1], rs, "eval/accuracy", label(c, a, rs), marker="o", ms=3, **style(c, a))
-    axes[0].set(title="entropy of the sampling policy", xlabel="RL step", ylabel="nats/token")
-    axes[1].set(title="held-out greedy accuracy", xlabel="RL step", ylabel="accuracy")
-    axes[0].legend(fontsize=6)
-    points["claim5_entropy"] = sweep.save_figure(fig, out / "claim5_entropy.png")
-    return points
+    points = 0
+    names = ("grpo-b0", "gspo", "grpo", "gspo-b0.04")
+    for i, rs in enumerate(arms("stale16", names)):
+        points += band(axes[0], rs, "eval/accuracy", marker="o")
+        drops = [peak_drop(r) for r in rs]
+        e = estimate(drops)
+        st = style(rs)
+        axes[1].plot([i] * len(drops), drops, "o", color=st["color"], alpha=0.5, ms=4)
+        axes[1].errorbar([i + 0.15], [e.mean], yerr=[[e.mean - e.lo], [e.hi - e.mean]] if e.n > 1 else None,
+                         fmt="s", color=st["color"], capsize=4)
+        points += len(drops)
+    axes[1].axhline(COLLAPSE_DROP, color="gray", ls=":", lw=1)
+    axes[1].set_xticks(range(len(names)), [ARM_LABELS[a] for a in names], fontsize=8)
+    axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
+    axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points")
+    legend_below(fig, axes[:1])
+    figs["claim3_stability"] = (save(fig, out / "claim3_stability.png") and points, "stale16 (16 minibatches per "
+                                "rollout), GRPO vs GSPO at β = 0 (solid) and β = 0.04 (dotted): accuracy as mean "
+                                "over seeds with its 95% t interval; right: each seed's drop from its peak, grey: "
+                                "the 20-point collapse line")
+
+    # claim 4: incorrect/correct length within groups, base
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    points = 0
+    for rs in arms("base", ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")):
+        points += band(axes[0], rs, "charts/len_incorrect_rel")
+        points += band(axes[1], rs, "charts/len_incorrect")
+    axes[0].set(title="incorrect / correct length within mixed groups", xlabel="RL step", ylabel="ratio")
+    axes[1].set(title="mean length of incorrect completions", xlabel="RL step", ylabel="tokens")
+    legend_below(fig, axes)
+    figs["claim4_length_bias"] = (save(fig, out / "claim4_length_bias.png") and points, "base cell at β = 0: GRPO, "
+                                  "GRPO with Dr.GRPO's aggregation (the claim's contrast) and Dr.GRPO; mean over "
+                                  "seeds with its 95% t interval")
+
+    # claim 5: entropy with and without clip-higher, stale16
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    points = 0
+    for rs in arms("stale16", ("dapo", "dapo-eh0.2")):
+        points += band(axes[0], rs, "losses/entropy", log=True)
+        diff = [{**r, "rows": [{"step": row["step"], "d": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}
+                               for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
+        points += band(axes[1], diff, "d")
+    axes[0].set(title="entropy of the sampling policy, log", xlabel="RL step", ylabel="nats/token")
+    axes[1].set(title="tokens whose clip outcome differs between ε_high 0.2 and 0.28", xlabel="RL step",
+                ylabel="fraction of tokens")
+    legend_below(fig, axes)
+    figs["claim5_entropy"] = (save(fig, out / "claim5_entropy.png") and points, "stale16, DAPO at ε_high 0.28 vs "
+                              "0.2: mean over seeds with its 95% t interval (entropy in log space); right: the "
+                              "manipulation check per step")
+    return figs
 
 
-def run_minutes(runs: list[dict]) -> float:
-    """Minutes the runs took by their own clocks (train.py's perf/elapsed_min at each run's last logged step)."""
-    return sum(next((row["perf/elapsed_min"] for row in reversed(r["rows"]) if "perf/elapsed_min" in row), 0.0)
-               for r in runs)
+# ---------------------------------------------------------------------------------------------------------------
+# The report: docs/study/ and the README's study section, all numbers from the data
+# ---------------------------------------------------------------------------------------------------------------
+
+README_BEGIN, README_END = "<!-- study:begin (written by python study.py) -->", "<!-- study:end -->"
 
 
-def write_report(runs: list[dict], out: Path) -> dict[str, int]:
-    out.mkdir(parents=True, exist_ok=True)
-    minutes = run_minutes(runs)
-    points = write_figures(runs, out)
-    rows, numbers = verdicts(runs)
-    per_run = [{"run": r["name"], "cell": r["cell"], "algo": r["algo"], "seed": r["seed"],
-                "accuracy_before": r["rows"][0].get("eval/accuracy"), "accuracy_after": final_accuracy(r),
-                "collapse_step": collapse_step(r), "stopped": r["stopped"] or "", "failed": failed(r),
-                "clip_frac_mean": run_mean(r, "clip/frac"), "token_ratio_var_mean": run_mean(r, "ratio/token_var"),
-                "exp_logsum": length_exponent(r, "std_logsum"), "exp_log_s": length_exponent(r, "std_log_s"),
-                "entropy_last10": run_mean(r, "losses/entropy", first=r["total_steps"] - 9),
-                "len_incorrect_drift": length_drift(r, "charts/len_incorrect")} for r in runs]
+def predicted_text(row: dict) -> str:
+    c = {c.key: c for c in CLAIMS}[row["key"]]
+    return f"non-inferior: > -{c.margin:g}" if c.margin is not None else f">= {c.predicted:+.3g}"
+
+
+def table(rows: list[dict], mde: bool = True) -> list[str]:
+    lines = ["| claim | contrast | predicted | estimate [95% CI] (n) | " + ("MDE (80%) | " if mde else "")
+             + "manipulation check | verdict |", "|---|---|---|---|---|---|" + ("---|" if mde else "")]
+    for r in rows:
+        e = r["estimate"]
+        check = f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
+        unit = {c.key: c for c in CLAIMS}[r["key"]].unit
+        cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
+            ([f"{e.mde:.2g}"] if mde else []) + [check, f"**{r['verdict']}**"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
+def counts(rows: list[dict]) -> str:
+    words = ("reproduced", "contradicted", "inconclusive", "not exercised")
+    return ", ".join(f"{sum(r['verdict'] == w for r in rows)} {w}" for w in words)
+
+
+def readme_section(runs: list[dict], rows: list[dict]) -> str:
+    minutes = sum(PER_RUN["minutes"](r) for r in runs)
+    lines = [README_BEGIN, "",
+             f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time) "
+             f"on `--dataset embedded-long` (answers of 20-300 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
+             f"steps, {len(SEEDS)} seeds, in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
+             "ratios alone). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
+             "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
+             "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
+             "seeds detect) or not exercised (the manipulation check failed). "
+             f"Result: {counts(rows)}.", ""]
+    lines += table(rows, mde=False)
+    lines += ["", "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
+              "The full report, with the smallest detectable effects, the secondary numbers and one figure per claim: "
+              "[docs/study/summary.md](docs/study/summary.md). A dense 0.67M-parameter model, 40 steps and one task "
+              "are far from the papers' models and thousands of steps: these verdicts are about this regime.", "",
+              README_END]
+    return "\n".join(lines)
+
+
+def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dict[str, tuple[int, str]]:
     import csv
 
+    out.mkdir(parents=True, exist_ok=True)
+    rows = judge(runs)
+    figs = write_figures(runs, rows, out)
     with (out / "runs.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(per_run[0]))
-        writer.writeheader()
-        writer.writerows(per_run)
-    cells = sorted({(r["cell"], r["algo"]) for r in runs})
-    lines = ["# Study: where the four objectives part ways (embedded-long task)", "",
-             f"{len(runs)} runs ({', '.join(f'{c}/{a}' for c, a in cells)}); "
-             f"each {STEPS} RL steps (the long120 cells: {LONG_STEPS}) of {PROMPTS} prompts x 8 completions, answers "
-             "20-300 tokens.",
-             "Command: `python study.py` (the runs, resumable, then this report); `python study.py --report-only` "
-             "(this report alone).",
-             f"Cost: {minutes:.0f} run-minutes in all (the sum of each run's own clock, 1 thread per run), "
-             f"so ~{minutes / 2:.0f} min wall at 2 runs at a time on 2 cores, plus the cached warm start "
-             "of each seed (~3.6 min each, once).", "",
-             "Rule: two cells differ only when their mean ± std (over seeds) intervals do not overlap; exponents are "
-             "least-squares slopes of log std against log length, with 95% t intervals over runs.", "",
-             "| claim | paper's prediction | what we measured | verdict |", "|---|---|---|---|"]
-    lines += [f"| {r['claim']} | {r['predicted']} | {r['measured']} | **{r['verdict']}** |" for r in rows]
-    lines += ["", "## Final held-out accuracy per cell (mean ± std over seeds), collapses, runs that ended below start", "",
-              "| cell | " + " | ".join(ALGOS) + " |", "|---|" + "---|" * len(ALGOS)]
-    for c in CELLS:
-        cells = []
-        for a in ALGOS:
-            rs = cell_runs(runs, c, a)
-            if not rs:
-                cells.append("-")
-                continue
-            n_coll = sum(collapse_step(r) is not None for r in rs)
-            n_below = sum(final_accuracy(r) < r["rows"][0].get("eval/accuracy", math.nan) for r in rs)
-            n_stop = sum(r["stopped"] is not None for r in rs)
-            cells.append(f"{fmt(numbers['accuracy'][(c, a)])}; collapsed {n_coll}/{len(rs)}, below start "
-                         f"{n_below}/{len(rs)}" + (f", stopped {n_stop}/{len(rs)}" if n_stop else ""))
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    lines += ["", "Collapsed: the pre-registered rule (held-out accuracy 20 points below its running peak, or a "
-                  "non-finite stop). Below start: final held-out accuracy (the last evaluation before a stop) under "
-                  "the warm start's. Stopped: train.py ended the run with an error (dynamic sampling found too few "
-                  "groups with mixed correctness: the policy had stopped getting answers right). The last two counts "
-                  "were added after the first stale runs showed runs that never rose above their start, so could "
-                  "not fall 20 points below a peak; claim 3 counts a run as failed when any of the three holds."]
-    longer = [repeats_base(r, runs) for r in runs if r["cell"] in LONGER]
-    if any(x is not None for x in longer):
-        same, known = sum(x is True for x in longer), sum(x is not None for x in longer)
-        lines += ["", f"The long120 cells: the first {STEPS} steps repeat the 40-step run they extend (base, eh02; "
-                      f"same algo and seed) metric for metric (timings aside) in {same} of {known} runs, so the "
-                      f"{LONG_STEPS - STEPS} steps after them are the only difference."]
-    collapsed = precursor_rows(runs)
-    if collapsed:
-        lines += ["", f"## What preceded each collapse (mean over the {EVAL_EVERY} steps up to it; in brackets: the "
-                      "same steps in the runs of that cell that did not collapse)", "",
-                  "| run | collapse step | " + " | ".join(PRECURSORS) + " |", "|---|---|" + "---|" * len(PRECURSORS)]
-        lines += collapsed
-    lines += [""] + [f"![{name}]({name}.png)" for name in points] + [""]
+        writer = csv.writer(f)
+        writer.writerow(["run", "cell", "arm", "algo", "seed", "stopped", *PER_RUN])
+        for r in runs:
+            values = [f(r) for f in PER_RUN.values()]
+            writer.writerow([r["name"], r["cell"], r["arm"], r["algo"], r["seed"], r["stopped"] or "",
+                             *[f"{v:.6g}" if isinstance(v, float) else v for v in values]])
+    minutes = sum(PER_RUN["minutes"](r) for r in runs)
+    rule = __doc__[__doc__.index("The verdict rule"):__doc__.index("The report (")].rstrip()
+    lines = ["# Study: the papers' claims about the importance ratio, on long answers", "",
+             f"{len(runs)} runs: {PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
+             f"{EVAL_EVERY} steps, `--dataset embedded-long`; seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
+             f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
+             f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
+             "runs' own clocks (1 thread each, two at a time on a 2-core CPU).", "",
+             "| cell | regime | arms |", "|---|---|---|"]
+    for cell, (regime, arms) in CELLS.items():
+        lines.append(f"| {cell} | {', '.join(f'{k}={v}' for k, v in regime.items()) or 'the defaults'} (lr 5e-5) | "
+                     + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seeds)" for a in arms) + " |")
+    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
+    lines += ["", "## Beside each verdict", ""]
+    lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
+    lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "
+              "fraction | mean abs log ratio |", "|---|---|---|---|---|---|---|---|"]
+    for cell, (_, arms) in CELLS.items():
+        for a in arms:
+            rs = arm_runs(runs, cell, a)
+            if rs:
+                lines.append(f"| {cell} | {ARM_LABELS[a]} | {len(rs)} | "
+                             f"{level([final_accuracy(r) for r in rs])} | {level([peak_drop(r) for r in rs])} | "
+                             f"{sum(collapsed(r) for r in rs)}/{len(rs)} | "
+                             f"{level([run_mean(r, 'clip/frac') for r in rs])} | "
+                             f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} |")
+    lines += ["", "Levels are mean [95% t interval] over seeds. Collapsed: 20 points below the run's peak at its end, "
+                  "or a non-finite stop.", ""]
+    for name, (_, caption) in figs.items():
+        lines += [f"![{name}]({name}.png)", "", f"*{name}.png: {caption}.*", ""]
     (out / "summary.md").write_text("\n".join(lines))
-    (out / "verdicts.json").write_text(json.dumps(rows, indent=2))
-    return points
+    (out / "verdicts.json").write_text(json.dumps([{**r, "estimate": vars(r["estimate"])} for r in rows], indent=1,
+                                                  default=float))
+    if readme is not None:
+        write_readme(readme, readme_section(runs, rows))
+    return figs
+
+
+def write_readme(readme: Path, section: str) -> None:
+    text = readme.read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + section + text[end:])
+
+
+@dataclass
+class StudyArgs:
+    seeds: tuple[int, ...] = SEEDS
+    """which seeds to run"""
+    parallel: int = 2
+    """runs at a time; each gets cores/parallel threads"""
+    output_dir: str = "sweeps"
+    """runs go to <output_dir>/study/runs/<cell>-<arm>-s<seed>/; finished ones are packed into data_dir"""
+    data_dir: str = "docs/study/data"
+    report_dir: str = "docs/study"
+    report_only: bool = False
+    """skip running, only rebuild the report (and the README's study section) from data_dir"""
 
 
 def main() -> None:
+    import sys
+
     import tyro
 
     args = tyro.cli(StudyArgs, description=__doc__)
-    unknown = [c for c in args.cells if c not in CELLS]
-    if unknown:
-        raise SystemExit(f"error: unknown cell(s) {unknown}; the cells are {list(CELLS)}")
-    runs_dir = Path(args.output_dir) / "study" / "runs"
-    if not args.report_only:  # run_grid prints the wall time of the runs it made
-        sweep.run_grid(grid(args.cells, args.seeds), "study", COMMON, runs_dir, args.parallel)
-    runs = load(runs_dir)
+    runs_dir, data_dir = Path(args.output_dir) / "study" / "runs", Path(args.data_dir)
+    if not args.report_only:
+        sweep.run_grid(grid(tuple(CELLS), args.seeds), "study", COMMON, runs_dir, args.parallel)
+        print(f"packed {len(pack(runs_dir, data_dir))} new runs into {data_dir}")
+    runs = load(data_dir)
     if not runs:
-        raise SystemExit(f"error: no finished runs under {runs_dir}; run the study first (without --report-only)")
-    write_report(runs, Path(args.report_dir))
+        print(f"error: no runs in {data_dir}; run the study first (without --report-only)", file=sys.stderr)
+        sys.exit(2)
+    write_report(runs, Path(args.report_dir), Path(__file__).parent / "README.md")
     print(f"report: {Path(args.report_dir) / 'summary.md'}")
 
 
