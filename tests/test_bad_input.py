@@ -373,7 +373,11 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--weight-decay", "--wandb-project", "--wandb-tags"):
         entry = text[text.index(flag):text.index(flag) + 300]
         assert "(default:" in entry and len(entry.split("(default:")[0].split()) > 4, entry
-    assert "0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo)" in " ".join(text.split())
+    flat = " ".join(text.split())
+    # a field whose default comes from --algo or --dataset shows the real default, not "(default: None)"
+    assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003)" in flat
+    assert "(default: 100; 60 for --dataset embedded-long)" in flat
+    assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
 
 
