@@ -232,13 +232,22 @@ def check_device(name: str) -> None:
 
 
 def check_writable(folder: Path) -> None:
-    """The nearest existing ancestor of `folder` must be a writable directory; nothing is created here."""
+    """`folder` must be creatable: its nearest existing ancestor a directory that really takes a new entry (a
+    permission bit is not proof: /proc or a read-only mount say writable to root). Proved by making and removing an
+    empty folder there; nothing is left behind."""
+    import tempfile
+
     probe = folder.resolve()
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output-dir {folder} is not writable ({probe} is "
-                          f"{'not a folder' if not probe.is_dir() else 'read-only'}); pass a folder you can write to")
+    why = "not a folder" if not probe.is_dir() else None
+    if why is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".grpo-probe-", dir=probe))
+        except OSError as e:
+            why = f"it takes no new folder: {e.strerror or type(e).__name__}"
+    if why:
+        raise ConfigError(f"--output-dir {folder} cannot be created ({probe}: {why}); pass a folder you can write to")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -110,6 +110,21 @@ def test_bad_flags(tmp_path, capsys, tiny_policy_dir, no_wandb_login, argv, mess
     assert not out.exists()  # not even the output folder is created before the checks
 
 
+@pytest.mark.parametrize("where", ["proc", "file"])
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_work(tmp_path, capsys, tiny_policy_dir, where):
+    """A permission bit is not proof: /proc says writable to root yet takes no folder. The check makes and removes a
+    probe folder in the nearest existing ancestor, so it refuses in a second and leaves nothing behind."""
+    if where == "proc":
+        out = Path("/proc/grpo-family-x/runs")
+    else:
+        (tmp_path / "a-file").write_text("x")
+        out = tmp_path / "a-file" / "runs"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(out)] + SMALL, capsys, out, "cannot be created",
+            seconds=20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_wandb_online_from_the_environment_without_login(tmp_path, capsys, tiny_policy_dir, no_wandb_login,
                                                         monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
