@@ -67,6 +67,7 @@ class DynamicSamplingError(RuntimeError):
 # Flags
 # ---------------------------------------------------------------------------------------------------------------
 
+MAX_EVAL_SAMPLES = 1024  # pass@k papers sample up to a few hundred per problem; more is a run that never evaluates
 CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
                                       "advantage compares completions of the same prompt"),
@@ -91,6 +92,9 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
     (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
     (lambda a: a.eval_samples < 0, "--eval-samples must be >= 0 (got {eval_samples}); 0 evaluates greedily only"),
+    (lambda a: a.eval_samples > MAX_EVAL_SAMPLES, "--eval-samples {eval_samples} would sample that many completions "
+     f"of every held-out problem at every evaluation; pass@k estimates need far fewer: use at most {MAX_EVAL_SAMPLES} "
+     "(and --eval-size to evaluate fewer problems)"),
     (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
     (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
     (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
@@ -202,6 +206,10 @@ def validate(args, world_size: int = 1) -> None:
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
     check_device(args.device)
+    context = models.context_without_loading(args.model, args.dataset)
+    if context and args.max_new_tokens >= context:  # every prompt takes a token at least: refused before any warm
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context "
+                          f"of {context} tokens; use at most {context - 1} minus the longest prompt")  # start or load
     if args.dtype == "float16" and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()
                                                             and not torch.backends.mps.is_available())):
         raise ConfigError("--dtype float16 on the CPU overflows in training (no loss scaling); use float32 or bfloat16")

@@ -181,6 +181,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-family"
 
 
+def context_without_loading(name: str, dataset: str) -> int | None:
+    """The model's context length, known before any weights are built or read: the embedded model's is fixed by
+    its warm-start recipe; a model folder's is in its config.json; otherwise (a hub id, a .gguf) unknown here."""
+    if name == "embedded":
+        return warm_start_settings(dataset).get("max_positions", 128)
+    config = Path(name) / "config.json"
+    try:
+        cfg = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):
+        return None  # unreadable: loading it names the problem
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def warm_start_path(seed: int, settings: dict, cache: Path | None = None) -> Path:
     """Where the warm start of (settings, seed) is cached: a hash of both, so a changed recipe never reuses a stale
     policy."""

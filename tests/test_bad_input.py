@@ -91,7 +91,21 @@ FLAGS = [
     (["--resume", "auto", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--wandb-tags", "x" * 70], "each tag must be 1 to 64 characters"),
     (["--dtype", "float16", "--device", "cpu"], "--dtype float16 on the CPU"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--eval-samples", "1000000"], "use at most 1024"),
+    (["--max-new-tokens", "100000"], "leaves no room for a prompt in the model's context of 128 tokens"),
 ]
+
+
+@pytest.mark.parametrize("dataset,context", [("embedded", 128), ("embedded-long", 512)])
+def test_a_budget_past_the_embedded_context_is_refused_before_the_warm_start(tmp_path, capsys, monkeypatch, dataset,
+                                                                           context):
+    """The embedded model's context is fixed by its recipe: the refusal comes before minutes of warm start, which
+    would go into the (empty) cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    refused(["--dataset", dataset, "--max-new-tokens", "100000", "--output-dir", str(tmp_path / "out"),
+             "--wandb-mode", "disabled"], capsys, tmp_path / "out", f"context of {context} tokens", seconds=10)
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.fixture
