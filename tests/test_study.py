@@ -27,10 +27,9 @@ def test_study_expands_to_the_documented_grid():
     assert by_name["stale16-dapo-eh0.2-s4"] == {"algo": "dapo", "seed": "4", "run_name": "stale16-dapo-eh0.2-s4",
                                                 "num_minibatches": "16", "epsilon_high": "0.2"}
     assert by_name["stale16-gspo-b0.04-s2"]["beta"] == "0.04" and "beta" not in by_name["stale16-grpo-s2"]
-    # the verdicts' main arms first, every seed, then the others
-    second = [i for i, r in enumerate(runs) if (study.NAME.match(r["run_name"])["cell"],
-                                                 study.NAME.match(r["run_name"])["arm"]) in study.SECOND]
-    assert second == list(range(len(runs) - len(second), len(runs)))
+    # the verdicts' main arms first, every seed, then base's GSPO past 3 seeds, then the others
+    tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
+    assert tiers == sorted(tiers) and tiers.count(0) == 33 and tiers.count(1) == 2
     for cell, (_, arms) in study.CELLS.items():  # documented where `python study.py --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
