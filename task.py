@@ -219,9 +219,10 @@ def to_example(row, where: str, prompt_field: str, answer_field: str) -> Example
     return Example(prompt, reference_answer(str(answer)))
 
 
-def load_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+def load_jsonl(path: str | Path, prompt_field: str = "", answer_field: str = "") -> list[Example]:
     """Rows of {"prompt": text, "answer": text or number}, one JSON object per line (a .json file may instead hold
-    one array of them); a TaskError names the line."""
+    one array of them); a TaskError names the line. The fields are picked as for every other format: the named
+    ones, else the first of PROMPT_FIELDS / ANSWER_FIELDS that the first row has (GSM8K's question/answer rows)."""
     path = Path(path)
     if not path.is_file():
         raise TaskError(f"dataset file {path} does not exist; {ROWS_HINT}")
@@ -229,28 +230,30 @@ def load_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TaskError(f"dataset file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL")
+    rows: list[tuple[str, object]] = []  # (where, row)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
+            rows = [(f"{path} item {i}", row) for i, row in enumerate(json.loads(text))]
         except json.JSONDecodeError as e:
             raise TaskError(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
-        examples = [to_example(row, f"{path} item {i}", prompt_field, answer_field) for i, row in enumerate(rows)]
-        return at_least_two(examples, path)
-    examples = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            hint = (" (a JSON array or pretty-printed JSON? write one object per line)"
-                    if lineno == 1 and line.lstrip()[:1] in "[{" else "; each line must be one JSON object")
-            raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}")
-        if isinstance(row, list):
-            raise TaskError(f"{path}:{lineno}: a JSON array; the file must hold one {{\"prompt\", \"answer\"}} "
-                            "object per line (JSONL), not an array")
-        examples.append(to_example(row, f"{path}:{lineno}", prompt_field, answer_field))
-    return at_least_two(examples, path)
+    else:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                hint = (" (a JSON array or pretty-printed JSON? write one object per line)"
+                        if lineno == 1 and line.lstrip()[:1] in "[{" else "; each line must be one JSON object")
+                raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}")
+            if isinstance(row, list):
+                raise TaskError(f"{path}:{lineno}: a JSON array; the file must hold one {{\"prompt\", \"answer\"}} "
+                                "object per line (JSONL), not an array")
+            rows.append((f"{path}:{lineno}", row))
+    first = next((row for _, row in rows if isinstance(row, dict)), {})
+    pf = pick_field(list(first), prompt_field, PROMPT_FIELDS, "prompt", path) if first else prompt_field or "prompt"
+    af = pick_field(list(first), answer_field, ANSWER_FIELDS, "answer", path) if first else answer_field or "answer"
+    return at_least_two([to_example(row, where, pf, af) for where, row in rows], path)
 
 
 def at_least_two(examples: list[Example], source) -> list[Example]:
@@ -277,11 +280,30 @@ def heldout_split(examples: list[Example], fraction: float = 0.1, max_heldout: i
     return [ex for ex in examples if id(ex) not in test_ids], test
 
 
+def check_table(path: Path) -> None:
+    """A parquet or CSV file that holds no rows, or is not that kind of file, named as such (the library's own
+    message is a generic 'error while generating the dataset')."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:  # pyarrow's errors: not a parquet file, truncated, ...
+            raise TaskError(f"dataset file {path} is not a readable parquet file ({str(e).splitlines()[0][:120]}); "
+                            f"{ROWS_HINT}")
+    else:
+        with path.open("rb") as f:
+            rows = sum(1 for line in f if line.strip()) - 1  # less the header line
+    if rows < 2:
+        raise TaskError(f"dataset {path} has {max(rows, 0)} row(s); it needs at least 2 (some are held out for "
+                        "evaluation)")
+
+
 def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "") -> tuple[list, list]:
     """(train, held-out) Examples from a file, a save_to_disk folder or a hub dataset (see the table above)."""
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json", ".txt"):
-        return heldout_split(load_jsonl(path, prompt_field or "prompt", answer_field or "answer"))
+        return heldout_split(load_jsonl(path, prompt_field, answer_field))
     if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise TaskError(f"dataset {path} is a folder; {ROWS_HINT} or a folder written by `datasets`' save_to_disk")
     looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
@@ -297,6 +319,10 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
         import datasets
     except ImportError:
         raise TaskError(f"{name!r} is not a JSONL file; reading it needs `pip install datasets` (or {ROWS_HINT})")
+    datasets.disable_progress_bars()  # our one line, not the library's bars and logs around it
+    datasets.logging.set_verbosity_error()
+    if path.suffix in TABLE_FILES and path.is_file():
+        check_table(path)
     try:
         if path.is_dir():
             data = datasets.load_from_disk(str(path))

@@ -172,6 +172,10 @@ DATASETS = [
     ("scalar.jsonl", GOOD_ROW + '42\n', 'needs both "prompt" and "answer"'),
     ("missing.jsonl", "-", "does not exist"),
     ("data/missing.csv", "-", "does not exist"),
+    ("fields.jsonl", '{"q": "7 mod 3 =", "a": "1"}\n' * 3, "has no prompt column (prompt or question or problem)"),
+    ("empty.csv", "prompt,answer\n", "has 0 row(s); it needs at least 2"),
+    ("empty.parquet", "EMPTY_PARQUET", "has 0 row(s); it needs at least 2"),
+    ("not.parquet", "these are not parquet bytes\n", "is not a readable parquet file"),
 ]
 
 
@@ -180,6 +184,11 @@ def test_bad_datasets(tmp_path, capsys, tiny_policy_dir, name, content, message)
     path = tmp_path / name
     if content is None:
         path.mkdir()
+    elif content == "EMPTY_PARQUET":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
     elif content != "-":
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     out = tmp_path / "out"

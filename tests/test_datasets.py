@@ -73,3 +73,27 @@ def test_train_reads_a_saved_folder_with_custom_fields(tmp_path, tiny_policy_dir
                       wandb_mode="disabled", output_dir=str(tmp_path / "runs"), save_model=False)
     summary = train.train(args)
     assert 0.0 <= summary["accuracy_after"] <= 1.0
+
+
+def test_one_field_rule_for_every_format(tmp_path):
+    """GSM8K's own release rows ({"question", "answer"}) read the same from JSONL, parquet and CSV: the same default
+    fields (prompt, question, problem / answer, solution) and the same --prompt-field/--answer-field."""
+    rows = [{"question": f"{i} mod 3 =", "answer": f"work\n#### {i % 3}"} for i in range(12)]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "g.parquet"))
+    Dataset.from_list(rows).to_csv(str(tmp_path / "g.csv"), index=False)
+    loaded = [task.load_dataset(str(tmp_path / f"g.{ext}")) for ext in ("jsonl", "parquet", "csv")]
+    pairs = [sorted((e.prompt, e.answer) for e in tr + te) for tr, te in loaded]
+    assert pairs[0] == pairs[1] == pairs[2] and ("4 mod 3 =", "1") in pairs[0]
+    named = [{"q": r["question"], "a": r["answer"]} for r in rows]
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in named))
+    tr, te = task.load_dataset(str(tmp_path / "n.jsonl"), prompt_field="q", answer_field="a")
+    assert sorted((e.prompt, e.answer) for e in tr + te) == pairs[0]
+
+
+def test_a_table_file_loads_without_library_noise(tmp_path, capfd):
+    Dataset.from_list(ROWS).to_parquet(str(tmp_path / "gsm.parquet"))
+    capfd.readouterr()
+    task.load_dataset(str(tmp_path / "gsm.parquet"))
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # no "Generating train split" bars

@@ -96,7 +96,7 @@ def test_dataset_errors(tmp_path, capsys, tiny_policy_dir):
     cases = [
         (write(tmp_path / "empty.jsonl", "\n\n"), "has 0 row(s)"),
         (write(tmp_path / "bad.jsonl", '{"prompt": "1 mod 3 =", "answer": "1"}\n{"prompt": oops}\n'), "bad.jsonl:2: not valid JSON"),
-        (write(tmp_path / "fields.jsonl", '{"prompt": "1 mod 3 ="}\n'), "needs both \"prompt\" and \"answer\""),
+        (write(tmp_path / "fields.jsonl", '{"prompt": "1 mod 3 ="}\n'), "has no answer column (answer or solution)"),
         (write(tmp_path / "list.jsonl", '[1, 2]\n'), "list.jsonl:1: a JSON array"),
         (write(tmp_path / "long.jsonl", '{"prompt": "%s", "answer": "1"}\n{"prompt": "1 mod 3 =", "answer": "1"}\n'
                % ("9" * 200)), "exceeds the model's context of 128"),
