@@ -41,10 +41,13 @@ reward = correct + format_weight * format + overlong_weight * overlong.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
 import re
+import signal
+import threading
 import unicodedata
 from decimal import Decimal, InvalidOperation
 
@@ -163,23 +166,95 @@ def is_correct(completion: str, reference: str, answer_format: str = "tags") -> 
     return answer_format == "boxed" and math_equal(answer, reference)
 
 
+MATH_VERIFY_SECONDS = 1.0  # the most one completion's symbolic comparison may take (parse and verify together)
+MAX_DIGITS = 10_000  # an answer that denotes a number with more digits than this is not evaluated symbolically
+POWER_RE = re.compile(r"(\d+)\s*\^\s*(?:\{\s*(\d+)\s*\}|(\d+))")  # an integer to an integer power
+FACTORIAL_RE = re.compile(r"(?:(?<![\w}).])(\d+)|\{\s*(\d+)\s*\}|\(\s*(\d+)\s*\))\s*(?<!\\)!")  # n!, {n}!, (n)!
+
+
+def absurd_magnitude(text: str) -> bool:
+    """Whether a LaTeX answer denotes a number too large to evaluate in bounded time: a tower of powers (an exponent
+    that holds a power), an integer power of more than MAX_DIGITS digits, or a factorial of anything but a plain
+    integer up to 1000. Such an answer is compared as text only (no reference in a math dataset is one)."""
+    opened = []  # for each open brace: does it open an exponent?
+    for i, ch in enumerate(text):
+        if ch == "{":
+            opened.append(text[:i].rstrip().endswith("^"))
+        elif ch == "}" and opened:
+            opened.pop()
+        elif ch == "^" and any(opened):
+            return True  # a '^' inside the braced exponent of another '^'
+    if re.search(r"\^\s*\d+\s*\^", text):  # 9^9^9 without braces
+        return True
+    for m in POWER_RE.finditer(text):
+        base, exp = int(m.group(1)), int(m.group(2) or m.group(3))
+        if base > 1 and exp * math.log10(base) > MAX_DIGITS:
+            return True
+    plain = [int(next(g for g in m.groups() if g)) for m in FACTORIAL_RE.finditer(text)]
+    factorials = len(re.findall(r"(?<!\\)!", text))  # '\!' is LaTeX's negative space, not a factorial
+    return factorials > len(plain) or any(n > 1000 for n in plain)
+
+
+class TooSlow(BaseException):
+    """The symbolic comparison ran past MATH_VERIFY_SECONDS (a BaseException, as math-verify's own timeout is: the
+    parser's `except Exception` must not swallow it and carry on computing)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise TooSlow in the main thread after `seconds` (a sub-second timer; math-verify's own is whole seconds
+    and shares the same alarm, so its timeouts are switched off inside). Elsewhere: no bound."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def late(signum, frame):
+        raise TooSlow
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@functools.cache
+def warm_math_verify() -> None:
+    """math-verify's first call imports sympy's LaTeX machinery (~1 s): paid once, outside any completion's bound."""
+    import logging
+
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warnings would interleave with our lines
+    verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
+
+
 @functools.lru_cache(maxsize=4096)
 def parse_math(text: str):
     """math-verify's parse of an answer as LaTeX (cached: references repeat G times per batch)."""
     from math_verify import parse
 
-    return parse(f"${text}$")  # math-verify's own time limit (5 s, by signal: the main thread only)
+    return parse(f"${text}$", parsing_timeout=None)  # bounded by the caller's deadline
 
 
 def math_equal(answer: str, reference: str) -> bool:
-    """Mathematical equality by math-verify (`\\frac{1}{2}` == `0.5` == `1/2`); False when either does not parse."""
+    """Mathematical equality by math-verify (`\\frac{1}{2}` == `0.5` == `1/2`); False when either does not parse,
+    the answer is too long or too large to evaluate (absurd_magnitude), or the comparison takes longer than
+    MATH_VERIFY_SECONDS: a policy that drifts into such outputs cannot stall training."""
     require_math_verify()
-    if len(answer) > MAX_MATH_VERIFY_CHARS:
+    if len(answer) > MAX_MATH_VERIFY_CHARS or absurd_magnitude(answer):
         return False
     from math_verify import verify
 
-    gold, pred = parse_math(reference.strip()), parse_math(answer.strip())
-    return bool(gold and pred and verify(gold, pred))
+    warm_math_verify()
+    try:
+        with deadline(MATH_VERIFY_SECONDS):
+            gold, pred = parse_math(reference.strip()), parse_math(answer.strip())
+            return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+    except TooSlow:
+        return False
 
 
 def format_ok(completion: str, answer_format: str = "tags") -> bool:

@@ -1,5 +1,7 @@
 """The verifier: the answer rule, numeric normalisation, malformed and adversarial completions, reward terms."""
 
+import time
+
 import pytest
 
 import rewards
@@ -171,6 +173,32 @@ BOXED_CASES = [
 @pytest.mark.parametrize("completion,reference,correct", BOXED_CASES)
 def test_boxed_verifier(completion, reference, correct):
     assert rewards.is_correct(completion, reference, "boxed") is correct
+
+
+ADVERSARIAL = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{10^{10^{10}}!}", r"\boxed{(10^{100})!}", r"\boxed{9^{9^9}}",
+               r"\boxed{99999999^{99999999}}", r"\boxed{100000!}", r"\boxed{\binom{10^{9}}{10^{8}}}",
+               r"\boxed{{{{9}}}^{{9}^{9}}}", r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", r"\boxed{\exp(\exp(\exp(100)))}"]
+
+
+def test_the_verifier_cannot_stall_on_absurd_answers():
+    """A policy that drifts into towers of powers or huge factorials: each completion scores in at most a second
+    (math-verify's own limit was 5 s each), a whole batch of them in bounded time, every one wrong."""
+    rewards.warm_math_verify()  # the library's one-time import cost is not a completion's
+    for completion in ADVERSARIAL:
+        start = time.perf_counter()
+        assert not rewards.is_correct(completion, "42", "boxed"), completion
+        assert time.perf_counter() - start < 1.5, completion  # the deadline is 1 s; the rest is slack for a busy CPU
+    start = time.perf_counter()
+    scores = rewards.score(ADVERSARIAL * 4, ["42"] * 40, [10] * 40, [False] * 40, 0.1, 0.0, 64, 16, "boxed")
+    assert sum(scores["correct"]) == 0 and time.perf_counter() - start < 45
+
+
+@pytest.mark.parametrize("answer,absurd", [("2^{10}", False), ("5!", False), ("(5)!", False), ("1000!", False),
+                                           ("x^{2}+1", False), ("3\\!+\\!2", False), ("e^{i\\pi}", False),
+                                           ("9^{9^9}", True), ("1001!", True), ("(10^{100})!", True),
+                                           ("10^{20000}", True), ("x!", True)])
+def test_absurd_magnitude(answer, absurd):
+    assert rewards.absurd_magnitude(answer) is absurd
 
 
 def test_boxed_format_term():
