@@ -28,6 +28,7 @@ import textwrap
 import types
 import urllib.parse
 from dataclasses import asdict, fields
+from decimal import Decimal
 from pathlib import Path
 
 import torch
@@ -531,6 +532,35 @@ class NonFiniteStreak:
                 f"{self.streak} steps in a row had only non-finite losses or gradients (last finite step: "
                 f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then "
                 "start again with --overwrite (or another --run-name)")
+
+
+class NothingCorrect:
+    """One warning when no sampled completion of the first `steps` steps was scored correct: the answer format and
+    the references may not fit each other (a silent reward of 0 for the whole run)."""
+
+    def __init__(self, answer_format: str, reference: str, steps: int = 5):
+        self.format, self.reference, self.steps, self.seen, self.any = answer_format, reference, steps, 0, False
+
+    def check(self, accuracy: float) -> None:
+        self.seen += 1
+        self.any = self.any or accuracy > 0
+        if self.seen == self.steps and not self.any:
+            print(f"warning: no completion of the first {self.steps} steps was scored correct. Check that "
+                  f"--answer-format {self.format} finds answers the references can equal (e.g. reference "
+                  f"{self.reference[:40]!r}), or whether the model can answer at all", flush=True)
+
+
+def check_references(examples: list, answer_format: str) -> None:
+    """Under last-number, a reference that is not a number can never be matched: refuse it when the data is
+    loaded, naming the first such row."""
+    if answer_format != "last-number":
+        return
+    for i, ex in enumerate(examples):
+        if not isinstance(rewards.normalize(ex.answer), Decimal):
+            raise ConfigError(f"--answer-format last-number scores the last number of a completion, but the reference "
+                              f"of row {i} ({ex.prompt[:40]!r}) is {ex.answer[:40]!r}, not a number, so it could never "
+                              "be matched; fix the references (GSM8K's worked answers keep what follows '####') or "
+                              "use --answer-format tags or boxed")
 
 
 # ---------------------------------------------------------------------------------------------------------------

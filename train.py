@@ -647,6 +647,7 @@ def train(args: Args) -> dict:
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
             train_set, test_set = load_data(args)
+            guards.check_references(train_set + test_set, args.answer_format)
             policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
         test_set = test_set[: args.eval_size or None]
         guards.check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens, args.answer_format)
@@ -707,6 +708,7 @@ def train(args: Args) -> dict:
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
     failures = guards.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
     nonfinite = guards.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
+    nothing_correct = guards.NothingCorrect(args.answer_format, train_set[0].answer)
     try:
         for step in range(first_step, args.total_steps + 1):
             with failures(step):
@@ -722,6 +724,7 @@ def train(args: Args) -> dict:
             if evaluated:
                 print(eval_lines(f"at step {step}", metrics, sample, len(test_set)), flush=True)
             nonfinite.check(step, metrics["losses/skipped_updates"])
+            nothing_correct.check(metrics["charts/accuracy"])
             stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
             if (args.save_every and step % args.save_every == 0) or stopping:
                 path = save(step)

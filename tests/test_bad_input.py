@@ -97,6 +97,26 @@ FLAGS = [
 ]
 
 
+def test_references_that_can_never_match_the_format_are_refused_when_loaded(tmp_path, capsys, tiny_policy_dir):
+    path = tmp_path / "worked.jsonl"
+    path.write_text('{"prompt": "7 mod 3 =", "answer": "1"}\n'
+                    '{"prompt": "8 mod 3 =", "answer": "subtract 3 twice to get two"}\n' * 3)
+    out = tmp_path / "out"
+    line = refused(["--model", str(tiny_policy_dir), "--dataset", str(path), "--answer-format", "last-number",
+                    "--output-dir", str(out)] + SMALL, capsys, out, "not a number, so it could never be matched")
+    assert "row 1 ('8 mod 3 =')" in line and "'subtract 3 twice to get two'" in line
+
+
+def test_a_run_where_nothing_is_ever_correct_warns_once(tmp_path, capsys, tiny_policy_dir):
+    path = tmp_path / "never.jsonl"
+    path.write_text("".join(f'{{"prompt": "{i} mod 3 =", "answer": "no such answer"}}\n' for i in range(12)))
+    train.main(["--model", str(tiny_policy_dir), "--dataset", str(path), "--output-dir", str(tmp_path / "out"),
+                "--total-steps", "6", "--eval-every", "6"] + SMALL)
+    out = capsys.readouterr().out
+    assert out.count("warning: no completion of the first 5 steps was scored correct") == 1
+    assert "--answer-format tags" in out and "'no such answer'" in out
+
+
 @pytest.mark.parametrize("dataset,context", [("embedded", 128), ("embedded-long", 512)])
 def test_a_budget_past_the_embedded_context_is_refused_before_the_warm_start(tmp_path, capsys, monkeypatch, dataset,
                                                                            context):
