@@ -16,6 +16,9 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo
     stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04
 
+A probe (`probe-<regime>-<arm>-s<seed>` in the data) is a short run made only to read a manipulation check in
+another regime; it enters no verdict and is reported beside the claim it probes.
+
 The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
     The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
     from Student's t with n - 1 degrees of freedom. The claim's effect is oriented so that the paper predicts a
@@ -67,14 +70,17 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "dr_grpo": ("dr_grpo", {}),
     }),
 }
-# Run order: the arms each claim's main verdict rests on, seed by seed, first; base's GSPO (claim 2, whose clip
-# ratio is two orders of magnitude) from its 4th seed on next; the SECOND arms last. A study cut short keeps the
-# verdicts' seeds whole.
+# Run order (a run takes ~9 min on this CPU, so the order decides what a session's budget buys): the arms each
+# claim's main verdict rests on, seed by seed, first; then base's GSPO from its 4th seed (claim 2's clip ratio is two
+# orders of magnitude, clear at 3 seeds) and claim 5's DAPO arms from their 3rd seed (their manipulation check
+# failed by more than an order of magnitude at seed 0, so more seeds cannot change the verdict); the SECOND arms
+# last.
 SECOND = {("stale16", "grpo"), ("stale16", "gspo-b0.04"), ("base", "dr_grpo")}
+LATER = {("base", "gspo"): 3, ("stale16", "dapo"): 2, ("stale16", "dapo-eh0.2"): 2}  # arm -> first seed of tier 1
 
 
 def tier(cell: str, arm: str, seed: int) -> int:
-    return 2 if (cell, arm) in SECOND else 1 if (cell, arm) == ("base", "gspo") and seed >= 3 else 0
+    return 2 if (cell, arm) in SECOND else 1 if seed >= LATER.get((cell, arm), len(SEEDS)) else 0
 SEEDS = (0, 1, 2, 3, 4)
 
 
@@ -419,10 +425,17 @@ def judge(runs: list[dict]) -> list[dict]:
     add("5-entropy", paired({s: math.log(v) for s, v in ent["dapo"].items()},
                             {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
         f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
+        "".join(f"probe {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
+                f"{clip_differs(r):.2%} of tokens; " for r in runs if r["cell"] == "probe") +
         f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
         f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
         f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
     return rows
+
+
+def probe_regime(run: dict) -> str:
+    """A probe's flags that differ from the study's defaults (lr 5e-5, 4 minibatches), as text."""
+    return ", ".join(f"{k} {v}" for k, v in run["flags"].items() if k in ("lr", "num_minibatches", "num_epochs"))
 
 
 def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
