@@ -550,6 +550,22 @@ class NothingCorrect:
                   f"{self.reference[:40]!r}), or whether the model can answer at all", flush=True)
 
 
+class TruncatedStreak:
+    """One warning when more than half of each rollout's completions hit --max-new-tokens for `steps` steps in a
+    row: answers are being cut off (chains of thought need room), and the reward sees none of them finish."""
+
+    def __init__(self, max_new_tokens: int, steps: int = 3):
+        self.max_new_tokens, self.steps, self.streak, self.warned = max_new_tokens, steps, 0, False
+
+    def check(self, truncated_frac: float) -> None:
+        self.streak = self.streak + 1 if truncated_frac > 0.5 else 0
+        if self.streak >= self.steps and not self.warned:
+            self.warned = True
+            print(f"warning: more than half of the completions hit --max-new-tokens {self.max_new_tokens} in each of "
+                  f"the last {self.steps} steps (truncated: no answer, and DAPO's overlong penalty); raise "
+                  "--max-new-tokens", flush=True)
+
+
 def check_references(examples: list, answer_format: str) -> None:
     """Under last-number, a reference that is not a number can never be matched: refuse it when the data is
     loaded, naming the first such row."""

@@ -141,6 +141,19 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     return prepare(model, tokenizer, device)
 
 
+def enable_checkpointing(model) -> None:
+    """transformers' activation (gradient) checkpointing, non-reentrant; by either of its names (renamed in 5.x)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_checkpointing(model) -> bool:
+    return bool(model.is_activation_checkpointing if hasattr(type(model), "is_activation_checkpointing")
+                else model.is_gradient_checkpointing)
+
+
 def prepare(model, tokenizer, device: torch.device):
     """Left padding for generation, a pad token, and an EOS the verifier can rely on."""
     if tokenizer.eos_token_id is None:

@@ -105,6 +105,9 @@ class Args:
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
     each out-of-memory error)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of keeping them (transformers' own, non-reentrant): less
+    memory for long completions, ~30% more update time; the same loss and gradient. Acts in the update only"""
     lr: float = 5e-5
     """AdamW learning rate"""
     lr_scheduler: str = "constant_with_warmup"
@@ -181,8 +184,18 @@ class Args:
 
 # Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
 DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKENS, total_steps=60),
-                    "*": dict(max_new_tokens=64, total_steps=100)}
+                    "*": dict(max_new_tokens=64, total_steps=100),
+                    # a pretrained model on a file or hub dataset: room for a chain of thought (TRL 1.16's GRPOConfig: 512)
+                    "a file or hub dataset with a pretrained --model": dict(max_new_tokens=256, total_steps=100)}
 OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards")
+
+
+def dataset_defaults(dataset: str, model: str) -> dict:
+    """The defaults that depend on --dataset (the embedded model, whose context is 128 tokens, keeps 64 anywhere)."""
+    if dataset in DATASET_DEFAULTS:
+        return DATASET_DEFAULTS[dataset]
+    pretrained = not dataset.startswith("embedded") and model != "embedded"
+    return DATASET_DEFAULTS["a file or hub dataset with a pretrained --model" if pretrained else "*"]
 
 
 def resolve(args: Args) -> tuple[Args, LossConfig]:
@@ -196,7 +209,7 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
         overlong_weight=(1.0 if is_dapo else 0.0) if args.overlong_weight is None else args.overlong_weight,
         run_name=args.run_name or default_run_name(args),
         **{k: v if getattr(args, k) is None else getattr(args, k)
-           for k, v in DATASET_DEFAULTS.get(args.dataset, DATASET_DEFAULTS["*"]).items()},
+           for k, v in dataset_defaults(args.dataset, args.model).items()},
     )
     return args, LossConfig(**filled)
 
@@ -660,6 +673,8 @@ def train(args: Args) -> dict:
             folder.create()
             (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
 
+        if args.gradient_checkpointing:  # transformers applies it in train mode only: never during generate
+            models.enable_checkpointing(policy)
         seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
         world.wrap(policy)  # under torchrun: DistributedDataParallel (it checks every rank holds the same weights)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -709,6 +724,7 @@ def train(args: Args) -> dict:
     failures = guards.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
     nonfinite = guards.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
     nothing_correct = guards.NothingCorrect(args.answer_format, train_set[0].answer)
+    truncated = guards.TruncatedStreak(args.max_new_tokens)
     try:
         for step in range(first_step, args.total_steps + 1):
             with failures(step):
@@ -725,6 +741,7 @@ def train(args: Args) -> dict:
                 print(eval_lines(f"at step {step}", metrics, sample, len(test_set)), flush=True)
             nonfinite.check(step, metrics["losses/skipped_updates"])
             nothing_correct.check(metrics["charts/accuracy"])
+            truncated.check(metrics["charts/truncated_frac"])
             stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
             if (args.save_every and step % args.save_every == 0) or stopping:
                 path = save(step)
@@ -759,7 +776,8 @@ def help_defaults() -> dict[str, str]:
     def per_algo(field):
         return "(default from --algo: " + ", ".join(f"{a} {getattr(c, field)}" for a, c in losses.PRESETS.items()) + ")"
     def per_dataset(field):
-        return "(default: " + "; ".join(f"{v[field]}" + ("" if d == "*" else f" for --dataset {d}")
+        return "(default: " + "; ".join(f"{v[field]}" + ("" if d == "*" else f" for {d}" if " " in d else
+                                                        f" for --dataset {d}")
                                         for d, v in sorted(DATASET_DEFAULTS.items(), key=lambda kv: kv[0] != "*")) + ")"
     return {**{f: per_algo(f) for f in OBJECTIVE_FIELDS}, **{f: per_dataset(f) for f in DATASET_DEFAULTS["*"]},
             "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",

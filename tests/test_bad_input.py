@@ -117,6 +117,13 @@ def test_a_run_where_nothing_is_ever_correct_warns_once(tmp_path, capsys, tiny_p
     assert "--answer-format tags" in out and "'no such answer'" in out
 
 
+def test_completions_cut_off_for_several_steps_warn_once(tmp_path, capsys, tiny_policy_dir):
+    train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "5"] + SMALL
+               + ["--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert out.count("warning: more than half of the completions hit --max-new-tokens 3") == 1
+
+
 @pytest.mark.parametrize("dataset,context", [("embedded", 128), ("embedded-long", 512)])
 def test_a_budget_past_the_embedded_context_is_refused_before_the_warm_start(tmp_path, capsys, monkeypatch, dataset,
                                                                            context):
@@ -434,7 +441,7 @@ def test_help_documents_every_flag(capsys):
     flat = " ".join(text.split())
     # a field whose default comes from --algo or --dataset shows the real default, not "(default: None)"
     assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003)" in flat
-    assert "(default: 100; 60 for --dataset embedded-long)" in flat
+    assert "(default: 64; 360 for --dataset embedded-long; 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
 
