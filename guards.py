@@ -7,7 +7,7 @@
     StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
                             was saved; NonFiniteStreak stops a run whose updates are all non-finite
     report(e)               print a user error as one line, once per torchrun job
-    reachable(...)          the hub and wandb are asked for only when they answer within seconds
+    wandb_init(...)         wandb online only when its server answers within seconds (network.py)
 
 Every error a user can cause is one of USER_ERRORS: train.main prints it as one `error: ...` line, exit code 2.
 """
@@ -22,11 +22,9 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import textwrap
 import types
-import urllib.parse
 from dataclasses import asdict, fields
 from decimal import Decimal
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch
 import checkpoint
 import ddp
 import model as models
+import network
 import rewards
 import task
 
@@ -264,17 +263,6 @@ def check_writable(folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def reachable(url: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the URL's host opens within `timeout` seconds."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
-                                 timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def wandb_has_login() -> bool:
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
@@ -303,7 +291,7 @@ def wandb_init(**kwargs):
     settings = wandb.Settings(console="off", silent=True, init_timeout=30)
     if kwargs["mode"] == "online":
         base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-        if not reachable(base):
+        if not network.reachable(base):
             print(f"warning: wandb server {base} did not answer within 3 s; logging offline instead (wandb sync later)")
             kwargs["mode"] = "offline"
         else:

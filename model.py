@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+import network
 import rewards
 import task
 
@@ -96,21 +97,6 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def hub_endpoint() -> str:
-    """The hub address the Hugging Face client will use (HF_ENDPOINT, read when huggingface_hub is imported)."""
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
-
-
-def hub_offline(timeout: float = 3.0) -> bool:
-    """True when the hub is switched off (HF_HUB_OFFLINE) or does not answer within `timeout` seconds. Asked once,
-    up front: the hub client's own retries take close to a minute to give up."""
-    import guards
-
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not guards.reachable(hub_endpoint(), timeout)
-
-
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a hub id, a local model directory, or a .gguf file (dequantised by transformers)."""
     kwargs, source = {}, name
@@ -125,14 +111,14 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         source, kwargs = str(local.parent), {"gguf_file": local.name}
     elif local.exists() and not (local / "config.json").is_file():
         raise ModelError(f"{name} is not a model directory (no config.json); pass a save_pretrained directory")
-    elif not local.exists() and hub_offline():  # a hub id, and no hub: only the local cache can have it
+    elif not local.exists() and network.hub_offline():  # a hub id, and no hub: only the local cache can have it
         kwargs = {"local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:  # loaders raise many types (OSError, ValueError, ImportError, ...); all mean "cannot load"
         if kwargs.get("local_files_only"):
-            raise ModelError(f"model {name!r}: no such local folder, and the hub ({hub_endpoint()}) is unreachable "
+            raise ModelError(f"model {name!r}: no such local folder, and the hub ({network.hub_endpoint()}) is unreachable "
                              "and has no cached copy; pass a local model directory or .gguf file")
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ModelError(f"could not load model {name!r}: {first}")

@@ -29,6 +29,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import network
 import rewards
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -310,10 +311,8 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
     if looks_local and not path.exists():
         raise TaskError(f"dataset file {name} does not exist; {ROWS_HINT}")
     if not looks_local:
-        import model
-
-        if model.hub_offline():
-            raise TaskError(f"dataset {name!r} is not a local file, and the hub ({model.hub_endpoint()}) is "
+        if network.hub_offline():
+            raise TaskError(f"dataset {name!r} is not a local file, and the hub ({network.hub_endpoint()}) is "
                             f"unreachable; {ROWS_HINT}")
     try:
         import datasets

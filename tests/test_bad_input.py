@@ -270,9 +270,9 @@ def test_hub_dataset_fails_within_seconds(tmp_path, capsys, monkeypatch, tiny_po
 def test_hub_dataset_without_the_datasets_package(tmp_path, capsys, monkeypatch, tiny_policy_dir):
     import builtins
 
-    import model
+    import network
 
-    monkeypatch.setattr(model, "hub_offline", lambda: False)  # as if the hub answered
+    monkeypatch.setattr(network, "hub_offline", lambda: False)  # as if the hub answered
 
     real_import = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **kw: (_ for _ in ()).throw(ImportError(name))
