@@ -194,10 +194,17 @@ def context_without_loading(name: str, dataset: str) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+SHIPPED = Path(__file__).parent / "weights"  # warm starts committed with the code (the default run's, seed 0)
+
+
 def warm_start_path(seed: int, settings: dict, cache: Path | None = None) -> Path:
-    """Where the warm start of (settings, seed) is cached: a hash of both, so a changed recipe never reuses a stale
-    policy."""
+    """Where the warm start of (settings, seed) is: shipped with the code (weights/), else in the cache, under a hash
+    of both, so a changed recipe never reuses a stale policy. A shipped one makes the default run start from the
+    same policy on every machine (a warm start built elsewhere differs in floating point) and skips building it."""
     key = hashlib.sha256(json.dumps({**settings, "seed": seed}, sort_keys=True).encode()).hexdigest()[:12]
+    shipped = SHIPPED / f"warm-start-{key}"
+    if cache is None and (shipped / "config.json").is_file():
+        return shipped
     return (cache or cache_root()) / f"warm-start-{key}"
 
 

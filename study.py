@@ -4,8 +4,9 @@
     python study.py --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
 
 Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
-completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, 5 seeds. A seed is one warm start:
-every arm of a seed starts from the same policy, so contrasts are paired by seed. Two cells (regimes):
+completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (the run order below
+decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
+from the same policy, so contrasts are paired by seed. Two cells (regimes):
 
     base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4
     stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5
@@ -723,7 +724,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     lines += ["", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
     lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "
-              "fraction | mean abs log ratio |", "|---|---|---|---|---|---|---|---|"]
+              "fraction | mean abs log ratio | run-minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for cell, (_, arms) in CELLS.items():
         for a in arms:
             rs = arm_runs(runs, cell, a)
@@ -732,7 +733,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
                              f"{level([final_accuracy(r) for r in rs])} | {level([peak_drop(r) for r in rs])} | "
                              f"{sum(collapsed(r) for r in rs)}/{len(rs)} | "
                              f"{level([run_mean(r, 'clip/frac') for r in rs])} | "
-                             f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} |")
+                             f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} | "
+                             f"{sum(PER_RUN['minutes'](r) for r in rs):.0f} |")
     lines += ["", "Levels are mean [95% t interval] over seeds. Collapsed: 20 points below the run's peak at its end, "
                   "or a non-finite stop.", ""]
     for name, (_, caption) in figs.items():
