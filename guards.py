@@ -33,6 +33,7 @@ import torch
 
 import checkpoint
 import ddp
+import losses
 import model as models
 import network
 import rewards
@@ -67,6 +68,7 @@ class DynamicSamplingError(RuntimeError):
 # Flags
 # ---------------------------------------------------------------------------------------------------------------
 
+OBJECTIVE = [f.name for f in fields(losses.LossConfig)]  # the flags that make up the objective
 MAX_EVAL_SAMPLES = 1024  # pass@k papers sample up to a few hundred per problem; more is a run that never evaluates
 CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
@@ -80,7 +82,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
     (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
     (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
-    (lambda a: not 0 < a.epsilon < 1, "--epsilon must be in (0, 1) (got {epsilon}); GRPO uses 0.2, GSPO 3e-4"),
+    (lambda a: not 0 < a.epsilon < 1 and not (a.surrogate in ("cispo", "gmpo") and 0 < a.epsilon <= 1),
+     "--epsilon must be in (0, 1) (got {epsilon}; CISPO and GMPO take 1, no lower bound); GRPO uses 0.2, GSPO 3e-4"),
     (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
     (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
     (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
@@ -185,6 +188,10 @@ def validate(args, world_size: int = 1) -> None:
     for wrong, message in CHECKS:
         if wrong(args):
             raise ConfigError(message.format(**asdict(args)))
+    try:  # objective fields that do not go together (CISPO at sequence level, GMPO at token level, ...)
+        losses.check_config(losses.LossConfig(**{f: getattr(args, f) for f in OBJECTIVE}))
+    except ValueError as e:
+        raise ConfigError(f"--algo {args.algo}: {e}")
     if args.num_prompts % world_size:
         raise ConfigError(f"--num-prompts {args.num_prompts} is not divisible by the {world_size} processes (each takes "
                           f"whole prompt groups); use a multiple of {world_size}")

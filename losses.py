@@ -38,6 +38,7 @@ from torch import Tensor
 
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+Surrogate = Literal["clip", "cispo", "sapo", "gmpo"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class LossConfig:
     epsilon_high: float = 0.2
     beta: float = 0.0
     scale_rewards: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
+    surrogate: Surrogate = "clip"  # what the ratio does to the gradient: see `surrogate_loss`
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # ... and for A <= 0
 
 
 PRESETS: dict[str, LossConfig] = {
@@ -60,6 +64,16 @@ PRESETS: dict[str, LossConfig] = {
     "dapo": LossConfig("token", "token-mean", 0.2, 0.28, beta=0.0, scale_rewards=True),
     # GSPO (2507.18071): one length-normalised ratio per sequence, clipped as a whole, in a very narrow range.
     "gspo": LossConfig("sequence", "seq-mean-token-mean", 3e-4, 4e-4, beta=0.0, scale_rewards=True),
+    # CISPO (MiniMax-M1, 2506.13585 §3.1; ScaleRL 2510.13913): the weight is capped and carries no gradient; every
+    # token keeps a REINFORCE gradient. Upper cap 1 + 4 = 5 (ScaleRL's eps_max = 5; TRL's epsilon_high = 5.0 is the
+    # cap itself), no effective lower bound (1 - 1 = 0 < any ratio), token-mean like DAPO.
+    "cispo": LossConfig("token", "token-mean", 1.0, 4.0, beta=0.0, scale_rewards=True, surrogate="cispo"),
+    # SAPO (2511.20347): a smooth, temperature-controlled gate in place of the hard clip, tau 1.0 for A > 0 and
+    # 1.05 for A <= 0 (TRL 1.16's defaults); aggregated like GRPO. The clip range is unused.
+    "sapo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.0, scale_rewards=True, surrogate="sapo"),
+    # GMPO (2507.20673): the geometric mean of the token ratios, each token's log-ratio clipped to (-0.4, 0.4)
+    # (the paper's (e^-0.4, e^0.4)), sign-aware; one weight per sequence (verl's "geo_mean").
+    "gmpo": LossConfig("sequence", "seq-mean-token-mean", 0.4, 0.4, beta=0.0, scale_rewards=True, surrogate="gmpo"),
 }
 
 
@@ -127,8 +141,78 @@ def importance_weights(logp: Tensor, old_logp: Tensor, mask: Tensor, level: Impo
 
 
 def clipped_surrogate(w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """L = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A), elementwise."""
+    """PPO's clip (GRPO, Dr.GRPO, DAPO, GSPO): L = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A), elementwise.
+    Where the clip binds, L is constant in w: that unit gives no gradient at all."""
     return -torch.minimum(w * adv, torch.clamp(w, 1 - eps_low, 1 + eps_high) * adv)
+
+
+def cispo_surrogate(logp: Tensor, w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """CISPO (MiniMax-M1 eq. 4-5): L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(y_it).
+
+    The clipped ratio is a constant weight (stop-gradient), so grad L_it = -w_hat A grad log pi: a capped
+    importance-weighted REINFORCE in which no token ever leaves the gradient (PPO's clip drops clipped tokens)."""
+    return -torch.clamp(w, 1 - eps_low, 1 + eps_high).detach() * adv * logp
+
+
+def sapo_gate(w: Tensor, tau: Tensor) -> Tensor:
+    """SAPO's soft gate (2511.20347 eq. 5): f(w) = sigmoid(tau (w - 1)) * 4 / tau. f'(1) = 1 (the on-policy gradient
+    is untouched); f'(w) = 4 sigmoid (1 - sigmoid) decays smoothly as w leaves 1, faster for larger tau, and as
+    tau grows it tends to a hard window around w = 1."""
+    return torch.sigmoid(tau * (w - 1)) * 4 / tau
+
+
+def sapo_surrogate(w: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO: L_it = -f(w_it) A_it, with tau_pos where A > 0 and tau_neg where A <= 0 (negative tokens, whose
+    gradient spreads over the whole vocabulary, are gated a little harder)."""
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    return -sapo_gate(w, tau) * adv
+
+
+def gmpo_log_ratio(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """GMPO's per-token log-ratio (2507.20673 eq. 4): l_it clipped to [-eps_low, eps_high] only on the side that
+    matters for the sign of A, as PPO's min does: sgn(A) min(sgn(A) l, sgn(A) clip(l)). A clipped token carries
+    no gradient; the others are untouched."""
+    sign = torch.sign(adv)
+    return sign * torch.minimum(sign * log_ratio, sign * torch.clamp(log_ratio, -eps_low, eps_high))
+
+
+def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float,
+                   eps_high: float) -> Tensor:
+    """GMPO: L_i = -A_i exp((1/|y_i|) sum_t l'_it), the geometric mean of the (clipped) token ratios times the
+    sequence's advantage, broadcast to its tokens (so seq-mean-token-mean gives (1/B) sum_i L_i). With no token
+    clipped, exp(mean_t l_it) is GSPO's s_i and L_i = -s_i A_i: GMPO equals GSPO wherever neither clips."""
+    clipped = gmpo_log_ratio((logp - old_logp) * mask, adv, eps_low, eps_high)  # (B, T)
+    return -torch.exp(masked_seq_mean(clipped, mask)).unsqueeze(-1) * adv  # (B, 1) * (B, 1) -> broadcast (B, T)
+
+
+def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """Per-token losses (B, T) of the configured treatment of the ratio: PPO's clip, CISPO's capped stop-gradient
+    weight, SAPO's soft gate, or GMPO's clipped geometric mean."""
+    if cfg.surrogate == "gmpo":
+        return gmpo_surrogate(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high).expand_as(logp)
+    w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)  # (B, T)
+    if cfg.surrogate == "cispo":
+        return cispo_surrogate(logp, w, adv, cfg.epsilon, cfg.epsilon_high)
+    if cfg.surrogate == "sapo":
+        return sapo_surrogate(w, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    if cfg.surrogate == "clip":
+        return clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
+    raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo or gmpo")
+
+
+def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
+    """Combinations the maths does not define, each as a ValueError that says what to use instead."""
+    if cfg.surrogate == "cispo" and cfg.importance_sampling_level != "token":
+        raise ValueError("CISPO weights each token's log-probability by its own capped ratio; a sequence-level "
+                         "weight is not defined for it (TRL refuses it too): use --importance-sampling-level token")
+    if cfg.surrogate == "gmpo" and cfg.importance_sampling_level != "sequence":
+        raise ValueError("GMPO's weight is one per sequence (the geometric mean of its clipped token ratios): use "
+                         "--importance-sampling-level sequence")
+    if per_token_advantages and (cfg.importance_sampling_level == "sequence"):
+        raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
+                         "use importance_sampling_level='sequence_token' for per-token advantages")
+    if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
+        raise ValueError("SAPO's temperatures must be > 0")
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -177,11 +261,8 @@ def policy_loss(
     """
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
-    if cfg.importance_sampling_level == "sequence" and advantages.dim() == 2:
-        raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
-                         "use importance_sampling_level='sequence_token' for per-token advantages")
-    w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)  # (B, T)
-    per_token = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)  # (B, T)
+    check_config(cfg, per_token_advantages=advantages.dim() == 2)
+    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
     if cfg.beta > 0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
@@ -226,8 +307,33 @@ def clip_fractions(w: Tensor, adv: Tensor, eps_low: float, eps_high: float, vali
     return float(low.sum() / n), float(high.sum() / n)
 
 
+def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)): the weight SAPO's gate leaves on a unit's gradient
+    (1 on-policy, toward 0 far from w = 1)."""
+    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+    sig = torch.sigmoid(tau * (w - 1))
+    return 4 * sig * (1 - sig)
+
+
 def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: Tensor) -> float:
-    """The fraction of units that `cfg` would clip: tokens at token level, sequences at sequence level."""
+    """The fraction of units that `cfg` would clip: tokens at token level, sequences at sequence level. For the
+    successors, what plays the clip's part: CISPO's capped weights, the units SAPO's gate leaves under half their
+    gradient (f'(w) < 0.5), GMPO's clipped token log-ratios."""
+    valid = mask > 0
+    if cfg.surrogate == "cispo":
+        rho = torch.exp(log_ratio)
+        capped = ((rho < 1 - cfg.epsilon) | (rho > 1 + cfg.epsilon_high)) & valid
+        return float(capped.sum() / valid.sum().clamp(min=1))
+    if cfg.surrogate == "gmpo":
+        clipped = (gmpo_log_ratio(log_ratio, adv_tok, cfg.epsilon, cfg.epsilon_high) != log_ratio) & valid
+        return float(clipped.sum() / valid.sum().clamp(min=1))
+    if cfg.surrogate == "sapo":
+        if cfg.importance_sampling_level == "token":
+            low = (sapo_gate_slope(torch.exp(log_ratio), adv_tok, cfg) < 0.5) & valid
+            return float(low.sum() / valid.sum().clamp(min=1))
+        s, a = torch.exp(masked_seq_mean(log_ratio, mask)), masked_seq_mean(adv_tok, mask)  # (B,)
+        seqs = mask.sum(-1) > 0
+        return float(((sapo_gate_slope(s, a, cfg) < 0.5) & seqs).sum() / seqs.sum().clamp(min=1))
     if cfg.importance_sampling_level == "token":
         low, high = clip_fractions(torch.exp(log_ratio), adv_tok, cfg.epsilon, cfg.epsilon_high, mask > 0)
     else:
@@ -247,8 +353,10 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     ratio/abs_log_token  mean |l_it| over tokens, ratio/abs_log_seq mean |log s_i| over sequences: how far the
                          ratios have left 1 (the study's manipulation check for staleness)
     clip/token_*         clip fractions over tokens with the run's epsilon; clip/seq_* over sequences
-    clip/frac            the fraction the trained objective actually clips (token or sequence units)
+    clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
+                         SAPO and GMPO what plays the clip's part: see clip_fraction_of)
     clip/shadow_<algo>   the fraction each paper preset would clip on this same batch
+    clip/sapo_gate_mean  mean over tokens of SAPO's gradient weight f'(rho) (1 on-policy)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
     """
     mask = mask.to(logp.dtype)
@@ -261,7 +369,6 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     a_seq = masked_seq_mean(adv_tok, mask)  # (B,)
     tok_low, tok_high = clip_fractions(rho, adv_tok, cfg.epsilon, cfg.epsilon_high, valid_tok)
     seq_low, seq_high = clip_fractions(torch.exp(log_s), a_seq, cfg.epsilon, cfg.epsilon_high, valid_seq)
-    at_token = cfg.importance_sampling_level == "token"
     diag = {
         "ratio/token_mean": masked_mean(rho, mask),
         "ratio/token_var": masked_var(rho, mask),
@@ -276,7 +383,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "clip/seq_low": seq_low,
         "clip/seq_high": seq_high,
         "clip/seq_frac": seq_low + seq_high,
-        "clip/frac": tok_low + tok_high if at_token else seq_low + seq_high,
+        "clip/frac": clip_fraction_of(cfg, log_ratio, adv_tok, mask),
+        "clip/sapo_gate_mean": masked_mean(sapo_gate_slope(rho, adv_tok, PRESETS["sapo"]), mask),
         "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
     }
     for name, preset in PRESETS.items():

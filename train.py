@@ -52,7 +52,7 @@ from losses import LossConfig
 
 @dataclass
 class Args:
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo"] = "gspo"
+    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo"] = "gspo"
     """objective preset with its paper's values; any objective field below that is left unset takes them"""
     seed: int = 0
     """seed of everything (sampling, data order, warm start); the same seed repeats a run exactly"""
@@ -132,6 +132,13 @@ class Args:
     """weight of the k3 KL to the starting policy; 0 loads no reference model"""
     scale_rewards: bool | None = None
     """divide group advantages by the group's reward std"""
+    surrogate: Literal["clip", "cispo", "sapo", "gmpo"] | None = None
+    """what the ratio does to the gradient (losses.surrogate_loss): PPO's clip; CISPO's capped, stop-gradient
+    weight; SAPO's soft gate; GMPO's clipped geometric mean (epsilon and epsilon_high then bound log-ratios)"""
+    sapo_tau_pos: float | None = None
+    """SAPO's gate temperature for tokens with A > 0"""
+    sapo_tau_neg: float | None = None
+    """SAPO's gate temperature for tokens with A <= 0"""
     dynamic_sampling: bool | None = None
     """DAPO: re-draw prompts until every group has mixed correctness"""
     max_sampling_rounds: int = 8
@@ -187,7 +194,8 @@ DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKEN
                     "*": dict(max_new_tokens=64, total_steps=100),
                     # a pretrained model on a file or hub dataset: room for a chain of thought (TRL 1.16's GRPOConfig: 512)
                     "a file or hub dataset with a pretrained --model": dict(max_new_tokens=256, total_steps=100)}
-OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards")
+OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards",
+                    "surrogate", "sapo_tau_pos", "sapo_tau_neg")
 
 
 def dataset_defaults(dataset: str, model: str) -> dict:

@@ -92,6 +92,9 @@ FLAGS = [
     (["--wandb-tags", "x" * 70], "each tag must be 1 to 64 characters"),
     (["--dtype", "float16", "--device", "cpu"], "--dtype float16 on the CPU"),
     (["--threads", "-1"], "--threads must be >= 0"),
+    (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
+    (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
+    (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
     (["--eval-samples", "1000000"], "use at most 1024"),
     (["--max-new-tokens", "100000"], "leaves no room for a prompt in the model's context of 128 tokens"),
 ]
@@ -440,7 +443,7 @@ def test_help_documents_every_flag(capsys):
         assert "(default:" in entry and len(entry.split("(default:")[0].split()) > 4, entry
     flat = " ".join(text.split())
     # a field whose default comes from --algo or --dataset shows the real default, not "(default: None)"
-    assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003)" in flat
+    assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003, cispo 1.0, sapo 0.2, gmpo 0.4)" in flat
     assert "(default: 64; 360 for --dataset embedded-long; 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100

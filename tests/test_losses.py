@@ -94,13 +94,21 @@ def test_toy_batch_dr_grpo_with_its_own_advantages():
 def test_on_policy_ratios_are_one_nothing_clips_loss_is_minus_agg_adv(algo):
     logp, old, mask = on_policy(seed=1)
     adv = torch.tensor([0.7, -1.3, 0.2, 0.4])  # not zero-mean, so -agg(A) is not 0
-    loss, grad, diag = run(PRESETS[algo], logp, old, adv, mask, ref=old)
-    n = torch.tensor(LENGTHS, dtype=torch.float64)
+    cfg = PRESETS[algo]
+    loss, grad, diag = run(cfg, logp, old, adv, mask, ref=old)
+    # the per-token value on-policy: A for the clip and GMPO; f(1) A = (2 / tau) A for SAPO; A log pi for CISPO
+    per_token = adv.unsqueeze(-1).expand(4, T).to(torch.float64)
+    if cfg.surrogate == "sapo":
+        per_token = per_token * 2 / torch.where(per_token > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    if cfg.surrogate == "cispo":
+        per_token = per_token * old
+    masked = per_token * mask
+    n = mask.sum(-1)
     agg = {
-        "seq-mean-token-mean": adv.mean(),
-        "token-mean": (adv * n).sum() / n.sum(),
-        "seq-mean-token-sum-norm": (adv * n).sum() / (4 * MAX_NEW),
-    }[PRESETS[algo].loss_agg_mode]
+        "seq-mean-token-mean": (masked.sum(-1) / n).mean(),
+        "token-mean": masked.sum() / n.sum(),
+        "seq-mean-token-sum-norm": masked.sum() / (4 * MAX_NEW),
+    }[cfg.loss_agg_mode]
     assert loss == pytest.approx(-agg.item(), abs=1e-12)
     assert diag["ratio/token_mean"] == 1.0 and diag["ratio/token_var"] == 0.0
     assert diag["ratio/seq_mean"] == 1.0 and diag["clip/frac"] == 0.0 and diag["clip/token_frac"] == 0.0
@@ -141,14 +149,17 @@ def test_gspo_token_equals_gspo_in_value_clipping_and_gradient(shift):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo", "cispo", "sapo", "gmpo", "gspo"])
 def test_per_token_gradient_weights(algo):
+    """On-policy every objective is REINFORCE with its aggregation's weights: -A / (B |y_i|), -A / sum |y|, or
+    -A / (B L_max). (CISPO's weight is 1, SAPO's f'(1) = 1, GMPO's and GSPO's d s_i / d logp_it = 1 / |y_i|.)"""
     logp, old, mask = on_policy(seed=5)
     adv = torch.tensor([0.9, -0.4, -1.1, 0.6])
     _, grad, _ = run(no_kl(PRESETS[algo]), logp, old, adv, mask)
     n = torch.tensor(LENGTHS, dtype=torch.float64).unsqueeze(-1)
     a = adv.unsqueeze(-1)
-    expected = {"grpo": -a / (4 * n), "dapo": -a / n.sum(), "dr_grpo": -a / (4 * MAX_NEW)}[algo] * mask
+    expected = {"seq-mean-token-mean": -a / (4 * n), "token-mean": -a / n.sum(),
+                "seq-mean-token-sum-norm": -a / (4 * MAX_NEW)}[PRESETS[algo].loss_agg_mode] * mask
     assert torch.allclose(grad, expected, atol=1e-15)
 
 

@@ -26,7 +26,7 @@ def run(tmp_path, model_dir, **kw):
     return summary, metrics, tmp_path / name
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gspo"])
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo"])
 def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_policy_dir, algo):
     # DAPO's dynamic sampling may need a few rounds on a barely trained model
     summary, metrics, run_dir = run(tmp_path, tiny_policy_dir, algo=algo, max_sampling_rounds=30)

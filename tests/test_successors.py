@@ -1,0 +1,174 @@
+"""CISPO, SAPO and GMPO: against TRL 1.16's own _compute_loss (CISPO, SAPO), against GMPO's equation written out
+here and against verl's `geo_mean` (GMPO), and the properties each paper states."""
+
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import losses
+from losses import PRESETS, StepNorm
+
+T = 7
+LENGTHS = [3, 7, 2, 5, 4, 6]  # unequal lengths
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def batch(shift: float, seed: int = 0):
+    """Off-policy rows (log-ratios of spread `shift`, both signs), unequal lengths, both advantage signs."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in LENGTHS])
+    old = -torch.rand(len(LENGTHS), T, generator=gen) * 3
+    logp = old + shift * torch.randn(len(LENGTHS), T, generator=gen)
+    adv = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2])
+    return logp, old, adv, mask
+
+
+def ours(cfg, logp, old, adv, mask, max_new=T):
+    x = logp.clone().requires_grad_(True)
+    loss, _ = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, max_new), cfg, diagnostics=False)
+    loss.backward()
+    return loss.item(), x.grad
+
+
+def trl(loss_type: str, logp, old, adv, mask, **config):
+    """TRL 1.16's GRPOTrainer._compute_loss itself, on a stand-in for the trainer that holds only what it reads;
+    its forward pass is replaced by our log-probs (so both sides differentiate the same leaf)."""
+    from trl import GRPOTrainer
+
+    x = logp.clone().requires_grad_(True)
+    metrics = {"train": __import__("collections").defaultdict(list)}
+    args = SimpleNamespace(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None,
+                           use_bias_correction_kl=False, steps_per_generation=1)
+    fake = SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level="token", beta=0.0, top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False, _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t),
+        _metrics=metrics, entropy_coef=0.0, router_aux_loss_coef=0.0,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (x, torch.zeros_like(x), None), **config)
+    inputs = {"prompt_ids": torch.zeros(len(LENGTHS), 1, dtype=torch.long),
+              "prompt_mask": torch.ones(len(LENGTHS), 1, dtype=torch.long),
+              "completion_ids": torch.zeros(len(LENGTHS), T, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    loss = GRPOTrainer._compute_loss(fake, None, inputs)
+    loss.backward()
+    return loss.item(), x.grad
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.05, 1.5])  # on-policy; mildly stale; stale enough to cap and gate
+def test_cispo_and_sapo_equal_trl(shift):
+    logp, old, adv, mask = batch(shift)
+    for name, trl_config in (("cispo", {"epsilon_low": 1.0, "epsilon_high": 1 + PRESETS["cispo"].epsilon_high}),
+                             ("sapo", {"epsilon_low": 0.2, "epsilon_high": 0.2})):
+        try:
+            theirs = trl(name, logp, old, adv, mask, **trl_config)
+        except (AttributeError, KeyError) as e:  # TRL read something the stand-in lacks: say what, do not pass
+            raise AssertionError(f"the stand-in for TRL's trainer lacks {e}") from e
+        mine = ours(PRESETS[name], logp, old, adv, mask)
+        assert mine[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14), name
+        assert torch.allclose(mine[1], theirs[1], rtol=1e-10, atol=1e-14), name
+    if shift == 1.5:  # the comparison saw CISPO's cap at work, not only the on-policy identity
+        assert (torch.exp(logp - old)[mask > 0] > 1 + PRESETS["cispo"].epsilon_high).any()
+
+
+def test_cispo_keeps_every_token_in_the_gradient_where_ppo_drops_clipped_ones():
+    logp, old, adv, mask = batch(0.6, seed=1)
+    _, g_cispo = ours(PRESETS["cispo"], logp, old, adv, mask)
+    _, g_ppo = ours(replace(PRESETS["dapo"], epsilon_high=0.2), logp, old, adv, mask)
+    live = (mask > 0) & (adv.unsqueeze(-1) != 0)
+    assert (g_cispo[live] != 0).all()  # every token with A != 0
+    assert (g_ppo[live] == 0).any()  # PPO's clip zeroes some of the same tokens
+
+
+def test_sapo_gate_tends_to_a_hard_window_as_tau_grows():
+    w = torch.tensor([0.5, 0.79, 0.95, 1.0, 1.05, 1.21, 2.0])
+    adv = torch.ones_like(w)
+    for tau in (1.0, 10.0, 100.0):
+        slope = losses.sapo_gate_slope(w, adv, replace(PRESETS["sapo"], sapo_tau_pos=tau))
+        assert slope[3] == pytest.approx(1.0)  # f'(1) = 1: on-policy gradient untouched at any tau
+    steep = losses.sapo_gate_slope(w, adv, replace(PRESETS["sapo"], sapo_tau_pos=1000.0))
+    assert (steep[[0, 1, 5, 6]] < 1e-6).all()  # outside PPO's [0.8, 1.2], no gradient: the hard clip's behaviour
+    mild = losses.sapo_gate_slope(w, adv, PRESETS["sapo"])
+    assert (mild > 0.5).all()  # at tau 1 the gate only tapers
+
+
+def gmpo_paper(logp, old, adv, mask, eps):
+    """GMPO's objective as the paper writes it (2507.20673 eq. 4), as a product, sequence by sequence:
+    (prod_t min(rho_t A, clip(rho_t, e^-eps, e^eps) A)^(1/|y|) for A > 0, the max (the sign-aware min) for A < 0."""
+    total = 0.0
+    for i in range(len(LENGTHS)):
+        n = int(mask[i].sum())
+        rho = torch.exp(logp[i, :n] - old[i, :n])
+        clipped = torch.clamp(rho, math.exp(-eps), math.exp(eps))
+        keep = torch.minimum(rho, clipped) if adv[i] > 0 else torch.maximum(rho, clipped)
+        total = total + torch.prod(keep) ** (1 / n) * adv[i]
+    return -total / len(LENGTHS)
+
+
+def gmpo_verl(logp, old, adv, mask, eps):
+    """verl's `geo_mean` policy loss as it computes it: sign-aware clamp of the token log-ratio, exp of its masked
+    mean (+1e-8 in the denominator), times the token-averaged advantage, mean over sequences."""
+    adv_tok = adv.unsqueeze(-1).expand_as(logp)
+    l = logp - old
+    sgn = torch.sign(adv_tok)
+    lmin = sgn * torch.min(sgn * l, sgn * torch.clamp(l, -eps, eps))
+    ratio = torch.exp((lmin * mask).sum(-1) / (mask.sum(-1) + 1e-8))
+    a = (adv_tok * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    return torch.mean(-a * ratio)
+
+
+@pytest.mark.parametrize("shift", [0.05, 0.6])
+def test_gmpo_equals_its_equation_and_verls_geo_mean(shift):
+    logp, old, adv, mask = batch(shift, seed=2)
+    cfg = PRESETS["gmpo"]
+    loss, grad = ours(cfg, logp, old, adv, mask)
+    for reference, tol in ((gmpo_paper, 1e-14), (gmpo_verl, 1e-8)):  # verl adds 1e-8 to each length
+        x = logp.clone().requires_grad_(True)
+        value = reference(x, old, adv, mask, cfg.epsilon)
+        value.backward()
+        assert loss == pytest.approx(value.item(), abs=tol), reference.__name__
+        assert torch.allclose(grad, x.grad, rtol=0, atol=tol), reference.__name__
+    if shift == 0.6:  # some tokens were clipped, and they get no gradient
+        clipped = (losses.gmpo_log_ratio(logp - old, adv.unsqueeze(-1).expand_as(logp), 0.4, 0.4) != logp - old)
+        assert (clipped & (mask > 0)).any() and (grad[clipped & (mask > 0)] == 0).all()
+
+
+def test_gmpo_equals_gspo_when_nothing_clips():
+    logp, old, adv, mask = batch(0.02, seed=3)  # every |log-ratio| well inside 0.4
+    wide_gspo = replace(PRESETS["gspo"], epsilon=10.0, epsilon_high=10.0)  # GSPO with its clip out of the way
+    g_loss, g_grad = ours(PRESETS["gmpo"], logp, old, adv, mask)
+    s_loss, s_grad = ours(wide_gspo, logp, old, adv, mask)
+    assert g_loss == pytest.approx(s_loss, rel=1e-13) and torch.allclose(g_grad, s_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_combinations_the_maths_does_not_define_are_refused():
+    logp, old, adv, mask = batch(0.1)
+    with pytest.raises(ValueError, match="CISPO .* use --importance-sampling-level token"):
+        ours(replace(PRESETS["cispo"], importance_sampling_level="sequence"), logp, old, adv, mask)
+    with pytest.raises(ValueError, match="GMPO's weight is one per sequence"):
+        ours(replace(PRESETS["gmpo"], importance_sampling_level="token"), logp, old, adv, mask)
+    # SAPO's gate is defined on any ratio: at sequence level it gates GSPO's s_i
+    ours(replace(PRESETS["sapo"], importance_sampling_level="sequence"), logp, old, adv, mask)
+
+
+def test_shadow_fractions_name_what_each_successor_does():
+    logp, old, adv, mask = batch(0.6, seed=4)
+    diag = losses.ratio_diagnostics(logp, old, adv, mask, PRESETS["grpo"])
+    rho = torch.exp(logp - old)
+    valid = mask > 0
+    capped = ((rho > 5) | (rho < 0)) & valid
+    assert diag["clip/shadow_cispo"] == pytest.approx(float(capped.sum() / valid.sum()))
+    assert 0 < diag["clip/shadow_sapo"] < 1 and 0 < diag["clip/shadow_gmpo"] < 1
+    assert 0 < diag["clip/sapo_gate_mean"] < 1
+    on = losses.ratio_diagnostics(old, old, adv, mask, PRESETS["grpo"])
+    assert on["clip/sapo_gate_mean"] == pytest.approx(1.0) and on["clip/shadow_sapo"] == 0.0
