@@ -1,4 +1,5 @@
-"""The four objectives (GRPO, Dr.GRPO, DAPO, GSPO), side by side, and the diagnostics that tell them apart.
+"""The objectives (GRPO, Dr.GRPO, DAPO, GSPO; CISPO, SAPO, GMPO), side by side, and the diagnostics that tell them
+apart.
 
 Notation (one optimizer step): B sequences y_1..y_B, |y_i| valid completion tokens each (EOS included, padding
 excluded), padded to T columns. For each token
@@ -26,6 +27,12 @@ Each unit u (a token, or a whole sequence at sequence level) has the PPO clipped
 | dr_grpo  | token    | 0.2 / 0.2      | r - mean           | seq-mean-token-sum-norm  | 0    |
 | dapo     | token    | 0.2 / 0.28     | (r - mean) / std   | token-mean               | 0    |
 | gspo     | sequence | 3e-4 / 4e-4    | (r - mean) / std   | seq-mean-token-mean      | 0    |
+
+The successors keep these axes and change the surrogate itself (`surrogate`, see `surrogate_loss`):
+
+| cispo    | token    | 1 / 4 (cap 5)  | (r - mean) / std   | token-mean               | 0    |  -sg(clip(rho)) A log pi
+| sapo     | token    | (tau 1 / 1.05) | (r - mean) / std   | seq-mean-token-mean      | 0    |  -sigmoid(tau(rho-1)) 4/tau A
+| gmpo     | sequence | 0.4 / 0.4 (log)| (r - mean) / std   | seq-mean-token-mean      | 0    |  -A exp(mean_t clipped l_t)
 """
 
 from __future__ import annotations
