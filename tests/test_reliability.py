@@ -38,48 +38,6 @@ def cli(argv, capsys):
 # Bad input: a catalogue, one case each
 # ---------------------------------------------------------------------------------------------------------------
 
-FLAG_CASES = [
-    (["--num-generations", "1"], "--num-generations must be at least 2"),
-    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
-    (["--total-steps", "0"], "--total-steps must be at least 1"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--lr", "-1e-4"], "--lr must be > 0"),
-    (["--lr", "nan"], "--lr must be a finite number"),
-    (["--epsilon", "0"], "--epsilon must be in (0, 1)"),
-    (["--epsilon", "1.5"], "--epsilon must be in (0, 1)"),
-    (["--epsilon-high", "-0.1"], "--epsilon-high must be >= 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--num-minibatches", "3"], "must divide the rollout's"),
-    (["--num-minibatches", "0"], "must divide the rollout's"),
-    (["--num-epochs", "0"], "--num-epochs must be at least 1"),
-    (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 0"),
-    (["--beta", "-0.1"], "--beta must be >= 0"),
-    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
-    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
-    (["--max-sampling-rounds", "0"], "--max-sampling-rounds must be at least 1"),
-    (["--algo", "dapo", "--overlong-cache", "100"], "--overlong-cache must be in [1, --max-new-tokens]"),
-    (["--eval-every", "0"], "--eval-every must be at least 1"),
-    (["--save-every", "-1"], "--save-every must be >= 0"),
-    (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
-    (["--lr-scheduler", "sometimes"], "cannot be used here"),
-    (["--output-dir", "/etc/hostname/runs"], "is not writable"),
-    (["--model", "/no/such/model"], "does not exist"),
-    (["--model", "./missing.gguf"], "does not exist"),
-    (["--dataset", "/no/such/data.jsonl"], "does not exist"),
-    (["--resume", "/no/such/checkpoint"], "no such checkpoint"),
-]
-
-
-@pytest.mark.parametrize("argv,message", FLAG_CASES, ids=[" ".join(c[0]) for c in FLAG_CASES])
-def test_bad_flag_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, message):
-    full = ["--output-dir", str(tmp_path / "out")] + argv if "--output-dir" not in argv else argv
-    code, err = cli(full, capsys)
-    assert code == 2
-    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
 @pytest.mark.parametrize("argv", [["--algo", "ppo"], ["--wandb-mode", "sometimes"]])
 def test_tyro_rejects_unknown_choices_with_exit_2(argv, capsys):
     code, err = cli(argv, capsys)
