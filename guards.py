@@ -579,8 +579,10 @@ def check_references(examples: list, answer_format: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_prompt_lengths(tokenizer, policy, examples: list, max_new_tokens: int, answer_format: str) -> None:
-    context = getattr(policy.config, "max_position_embeddings", None)
+def check_prompt_lengths(tokenizer, context: int | None, examples: list, max_new_tokens: int,
+                         answer_format: str) -> None:
+    """Every prompt plus the generation budget must fit the model's context. For the embedded model the tokenizer
+    and context are known before its warm start is built, so this runs before minutes of work."""
     if not context:
         return
     prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]

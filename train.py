@@ -668,10 +668,14 @@ def train(args: Args) -> dict:
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
             train_set, test_set = load_data(args)
+            test_set = test_set[: args.eval_size or None]
             guards.check_references(train_set + test_set, args.answer_format)
+            if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
+                guards.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
+                    args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
             policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
-        test_set = test_set[: args.eval_size or None]
-        guards.check_prompt_lengths(tokenizer, policy, train_set + test_set, args.max_new_tokens, args.answer_format)
+        guards.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
+                                    train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
             start = load_policy(args)[0] if state else copy.deepcopy(policy)

@@ -164,6 +164,11 @@ def test_a_budget_past_the_embedded_context_is_refused_before_the_warm_start(tmp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     refused(["--dataset", dataset, "--max-new-tokens", "100000", "--output-dir", str(tmp_path / "out"),
              "--wandb-mode", "disabled"], capsys, tmp_path / "out", f"context of {context} tokens", seconds=10)
+    # a prompt that does not fit with the budget: its own line, also before the warm start
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(f'{{"prompt": "{"9" * 90} mod {i} =", "answer": "0"}}\n' for i in range(3, 9)))
+    refused(["--dataset", str(data), "--max-new-tokens", "64", "--output-dir", str(tmp_path / "out"),
+             "--wandb-mode", "disabled"], capsys, tmp_path / "out", "exceeds the model's context of 128", seconds=10)
     assert not (tmp_path / "cache").exists()
 
 
