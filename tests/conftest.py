@@ -14,6 +14,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 TINY = dict(version=1, steps=150, batch_size=32, lr=3e-3, slip_prob=0.5, hidden=64, layers=2)
+# The small run most tests train: 4 prompts x 4 completions, 24 new tokens, 2 minibatches, 8 held-out problems.
+SMALL_ARGS = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, eval_every=2, eval_size=8,
+                  lr=1e-3, warmup_steps=0, wandb_mode="disabled")
+SMALL = [x for k, v in SMALL_ARGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]  # the same as flags
 
 
 @pytest.fixture(scope="session")

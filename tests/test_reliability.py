@@ -23,8 +23,7 @@ import train
 from losses import PRESETS, StepNorm
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--num-prompts", "4", "--num-generations", "4", "--max-new-tokens", "24", "--num-minibatches", "2",
-         "--eval-every", "2", "--eval-size", "8", "--lr", "1e-3", "--warmup-steps", "0", "--wandb-mode", "disabled"]
+from conftest import SMALL  # noqa: E402  the shared small run, as flags
 
 
 def cli(argv, capsys):

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 import guards
 import train
 
-SMALL = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, total_steps=2,
-             eval_every=2, eval_size=8, lr=1e-3, warmup_steps=0, wandb_mode="disabled")
+from conftest import SMALL_ARGS  # noqa: E402
+
+SMALL = {**SMALL_ARGS, "total_steps": 2}
 
 
 def run(tmp_path, model_dir, **kw):
