@@ -51,3 +51,24 @@ def test_the_cycle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert {"model"} <= project_imports()["guards"]  # function-local imports are read too
+
+
+def test_readme_objectives_table_matches_the_presets():
+    """The preset values live in losses.PRESETS; the README's table restates them, so it is checked here."""
+    import losses
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 8 and cells[0].startswith("`") and cells[0].strip("`") in losses.PRESETS:
+            rows[cells[0].strip("`")] = cells
+    assert set(rows) == set(losses.PRESETS)
+    for name, cfg in losses.PRESETS.items():
+        _, _, _, eps, _, agg, beta, _ = rows[name]
+        assert agg == f"`{cfg.loss_agg_mode}`", name
+        assert float(beta) == cfg.beta, name
+        if cfg.surrogate != "sapo":  # SAPO's clip range is unused; its cell names the temperatures
+            low, high = (float(x.split()[0]) for x in eps.split(" / "))
+            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
+        else:
+            assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
