@@ -578,17 +578,22 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
                              "log-ratio per length quartile, log-log; line: geometric mean over seeds, band: 95% t "
                              "interval in log space; black: the i.i.d. slope 0.5")
 
-    # claim 2: clip fractions and accuracy in base, at β = 0
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    points = 0
-    for rs in arms("base", ("gspo", "grpo-b0")):
-        points += band(axes[0], rs, "clip/frac", log=True)
-        points += band(axes[1], rs, "eval/accuracy", marker="o")
-    axes[0].set(title="clip fraction (GSPO: sequences; GRPO: tokens), log", xlabel="RL step", ylabel="fraction clipped")
-    axes[1].set(title="held-out greedy accuracy", xlabel="RL step", ylabel="accuracy")
-    legend_below(fig, axes)
-    figs["claim2_clip"] = (save(fig, out / "claim2_clip.png") and points, "base cell, both at β = 0: mean over seeds "
-                           "with its 95% t interval (the clip fraction in log space)")
+    def two_panels(name, cell, names, panels, caption, runs_of=lambda rs: rs):
+        """Two panels of bands over RL steps, one line per arm: panels = ((key, log, title, ylabel), x2)."""
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        points = 0
+        for rs in arms(cell, names):
+            for ax, (key, log, title, ylabel) in zip(axes, panels):
+                points += band(ax, runs_of(rs), key, log=log, marker="o" if key == "eval/accuracy" else None)
+        for ax, (_, _, title, ylabel) in zip(axes, panels):
+            ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+        legend_below(fig, axes)
+        figs[name] = (save(fig, out / f"{name}.png") and points, caption)
+
+    two_panels("claim2_clip", "base", ("gspo", "grpo-b0"), (
+        ("clip/frac", True, "clip fraction (GSPO: sequences; GRPO: tokens), log", "fraction clipped"),
+        ("eval/accuracy", False, "held-out greedy accuracy", "accuracy")),
+        "base cell, both at β = 0: mean over seeds with its 95% t interval (the clip fraction in log space)")
 
     # claim 3: stale16 at matched β
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -613,34 +618,18 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
                                 "over seeds with its 95% t interval; right: each seed's drop from its peak, grey: "
                                 "the 20-point collapse line")
 
-    # claim 4: incorrect/correct length within groups, base
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    points = 0
-    for rs in arms("base", ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")):
-        points += band(axes[0], rs, "charts/len_incorrect_rel")
-        points += band(axes[1], rs, "charts/len_incorrect")
-    axes[0].set(title="incorrect / correct length within mixed groups", xlabel="RL step", ylabel="ratio")
-    axes[1].set(title="mean length of incorrect completions", xlabel="RL step", ylabel="tokens")
-    legend_below(fig, axes)
-    figs["claim4_length_bias"] = (save(fig, out / "claim4_length_bias.png") and points, "base cell at β = 0: GRPO, "
-                                  "GRPO with Dr.GRPO's aggregation (the claim's contrast) and Dr.GRPO; mean over "
-                                  "seeds with its 95% t interval")
-
-    # claim 5: entropy with and without clip-higher, stale16
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    points = 0
-    for rs in arms("stale16", ("dapo", "dapo-eh0.2")):
-        points += band(axes[0], rs, "losses/entropy", log=True)
-        diff = [{**r, "rows": [{"step": row["step"], "d": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}
-                               for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
-        points += band(axes[1], diff, "d")
-    axes[0].set(title="entropy of the sampling policy, log", xlabel="RL step", ylabel="nats/token")
-    axes[1].set(title="tokens whose clip outcome differs between ε_high 0.2 and 0.28", xlabel="RL step",
-                ylabel="fraction of tokens")
-    legend_below(fig, axes)
-    figs["claim5_entropy"] = (save(fig, out / "claim5_entropy.png") and points, "stale16, DAPO at ε_high 0.28 vs "
-                              "0.2: mean over seeds with its 95% t interval (entropy in log space); right: the "
-                              "manipulation check per step")
+    two_panels("claim4_length_bias", "base", ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo"), (
+        ("charts/len_incorrect_rel", False, "incorrect / correct length within mixed groups", "ratio"),
+        ("charts/len_incorrect", False, "mean length of incorrect completions", "tokens")),
+        "base cell at β = 0: GRPO, GRPO with Dr.GRPO's aggregation (the claim's contrast) and Dr.GRPO; mean over seeds "
+        "with its 95% t interval")
+    differs = lambda rs: [{**r, "rows": [{**row, "clip/differs": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}  # noqa: E731
+                                         for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
+    two_panels("claim5_entropy", "stale16", ("dapo", "dapo-eh0.2"), (
+        ("losses/entropy", True, "entropy of the sampling policy, log", "nats/token"),
+        ("clip/differs", False, "tokens whose clip outcome differs between ε_high 0.2 and 0.28", "fraction of tokens")),
+        "stale16, DAPO at ε_high 0.28 vs 0.2: mean over seeds with its 95% t interval (entropy in log space); right: "
+        "the manipulation check per step", runs_of=lambda rs: differs(rs))
     return figs
 
 

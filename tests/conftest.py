@@ -51,3 +51,12 @@ def jsonl_dataset(tmp_path_factory) -> Path:
 @pytest.fixture
 def cpu():
     return torch.device("cpu")
+
+
+@pytest.fixture
+def float64():
+    """Exact comparisons need double precision; restored after each test so other modules are unaffected."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

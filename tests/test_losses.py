@@ -11,13 +11,7 @@ from losses import PRESETS, LossConfig, StepNorm
 
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """Exact comparisons need double precision; restored after each test so other modules are unaffected."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest: exact comparisons in double precision
 
 # The notes' toy batch: one group of G=4, rewards [1, 0, 0, 1], lengths [3, 5, 2, 2], max_new_tokens 8.
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)

@@ -15,12 +15,7 @@ T = 7
 LENGTHS = [3, 7, 2, 5, 4, 6]  # unequal lengths
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest: exact comparisons in double precision
 
 
 def batch(shift: float, seed: int = 0):
