@@ -469,7 +469,7 @@ ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high
 
 def style(runs: list[dict]) -> dict:
     return {"color": ALGO_COLORS[runs[0]["algo"]], "linestyle": ARM_STYLES[runs[0]["arm"]],
-            "label": f"{ARM_LABELS[runs[0]['arm']]} ({len(runs)} seeds)"}
+            "label": ARM_LABELS[runs[0]["arm"]]}  # seeds per arm: in summary.md's arm table
 
 
 def band(ax, runs: list[dict], key: str, log: bool = False, marker: str | None = None) -> int:
@@ -572,7 +572,7 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
             ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
         ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t",
                xlabel="completion length |y| (tokens, quartile mean)")
-    axes[0].set_ylabel("std (nats): RMS over steps, geometric mean over seeds")
+    axes[0].set_ylabel("std (nats), geometric mean over seeds")
     legend_below(fig, axes)
     figs["claim1_length"] = (save(fig, out / "claim1_length.png") and points, "spread of the unnormalised sequence "
                              "log-ratio per length quartile, log-log; line: geometric mean over seeds, band: 95% t "
@@ -664,7 +664,13 @@ def counts(rows: list[dict]) -> str:
                      if w != "not run" or any(r["verdict"] == w for r in rows))
 
 
+def grid_runs(runs: list[dict]) -> list[dict]:
+    """The runs of the grid (probes aside)."""
+    return [r for r in runs if r["cell"] in CELLS]
+
+
 def readme_section(runs: list[dict], rows: list[dict]) -> str:
+    runs = grid_runs(runs)
     minutes = sum(PER_RUN["minutes"](r) for r in runs)
     lines = [README_BEGIN, "",
              f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time) "
@@ -697,10 +703,13 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
             values = [f(r) for f in PER_RUN.values()]
             writer.writerow([r["name"], r["cell"], r["arm"], r["algo"], r["seed"], r["stopped"] or "",
                              *[f"{v:.6g}" if isinstance(v, float) else v for v in values]])
-    minutes = sum(PER_RUN["minutes"](r) for r in runs)
+    grid = grid_runs(runs)
+    minutes = sum(PER_RUN["minutes"](r) for r in grid)
+    probes = len(runs) - len(grid)
     rule = __doc__[__doc__.index("The verdict rule"):__doc__.index("The report (")].rstrip()
     lines = ["# Study: the papers' claims about the importance ratio, on long answers", "",
-             f"{len(runs)} runs: {PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
+             f"{len(grid)} runs{f' (and {probes} probe)' if probes == 1 else f' (and {probes} probes)' if probes else ''}: "
+             f"{PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
              f"{EVAL_EVERY} steps, `--dataset embedded-long`; seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
              f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
