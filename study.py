@@ -653,7 +653,8 @@ def table(rows: list[dict], mde: bool = True) -> list[str]:
         check = f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
         unit = {c.key: c for c in CLAIMS}[r["key"]].unit
         cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
-            ([f"{e.mde:.2g}"] if mde else []) + [check, f"**{r['verdict']}**"]
+            ([f"{e.mde:.2g}"] if mde else []) + [check, f"**{r['verdict']}**" + (
+                f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else "")]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
 
@@ -675,7 +676,7 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     lines = [README_BEGIN, "",
              f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time) "
              f"on `--dataset embedded-long` (answers of 20-300 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
-             f"steps, {len(SEEDS)} seeds, in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
+             f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
              "ratios alone). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
              "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
              "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
