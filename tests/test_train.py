@@ -256,3 +256,18 @@ def test_gradient_checkpointing_run_has_the_same_metrics(tmp_path, tiny_policy_d
         for k, v in ra.items():
             if isinstance(v, float):
                 assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_the_default_warm_start_ships_with_the_code(tmp_path, monkeypatch):
+    """Seed 0 of the default recipe is committed in weights/: found without building (seconds, not minutes) and
+    without the cache, and it is a loadable model of the recipe's shape."""
+    import model as models
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    start = time.time()
+    path = models.warm_start(seed=0, settings=models.WARM_START)
+    assert path.parent == models.SHIPPED and time.time() - start < 5
+    policy, _ = models.load_model(str(path), torch.device("cpu"), torch.float32)
+    assert policy.config.hidden_size == models.WARM_START["hidden"]
+    assert not (tmp_path / "empty-cache").exists()
+    assert models.warm_start_path(1, models.WARM_START).parent != models.SHIPPED  # other seeds are built
