@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
          "--num-minibatches", "2"]
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
-                                reason="needs torch.distributed (gloo) and Linux's /proc")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
+                                reason="needs torch.distributed (gloo) and Linux's /proc")]
 
 
 def torchrun(n: int, script: str, argv: list[str], **kw) -> subprocess.Popen:

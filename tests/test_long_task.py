@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import pytest
 import torch
 
 import model as models
@@ -73,6 +74,7 @@ def test_defaults_follow_the_dataset():
     assert "task" not in models.warm_start_settings("embedded")  # the default recipe (and its cache key) unchanged
 
 
+@pytest.mark.slow
 def test_warm_start_lands_in_the_accuracy_window():
     """The real long-task warm start (built once, ~3 min on 2 cores; cached): greedy held-out accuracy between 15%
     and 50%, and sampled groups with mixed correctness, so RL has something to fix and a signal to fix it with."""

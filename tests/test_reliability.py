@@ -196,6 +196,7 @@ def spawn(argv, out_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
     argv = ["--model", str(tiny_policy_dir), "--total-steps", "24", "--save-every", "2", "--algo", "dapo",
             "--max-sampling-rounds", "30"] + SMALL
