@@ -68,7 +68,6 @@ class DynamicSamplingError(RuntimeError):
 # Flags
 # ---------------------------------------------------------------------------------------------------------------
 
-OBJECTIVE = [f.name for f in fields(losses.LossConfig)]  # the flags that make up the objective
 MAX_EVAL_SAMPLES = 1024  # pass@k papers sample up to a few hundred per problem; more is a run that never evaluates
 CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
@@ -189,7 +188,7 @@ def validate(args, world_size: int = 1) -> None:
         if wrong(args):
             raise ConfigError(message.format(**asdict(args)))
     try:  # objective fields that do not go together (CISPO at sequence level, GMPO at token level, ...)
-        losses.check_config(losses.LossConfig(**{f: getattr(args, f) for f in OBJECTIVE}))
+        losses.check_config(losses.LossConfig(**{f: getattr(args, f) for f in losses.OBJECTIVE_FIELDS}))
     except ValueError as e:
         raise ConfigError(f"--algo {args.algo}: {e}")
     if args.num_prompts % world_size:

@@ -37,7 +37,7 @@ The successors keep these axes and change the surrogate itself (`surrogate`, see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -60,6 +60,8 @@ class LossConfig:
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # ... and for A <= 0
 
+
+OBJECTIVE_FIELDS = tuple(f.name for f in fields(LossConfig))  # the flags that make up an objective (train.Args)
 
 PRESETS: dict[str, LossConfig] = {
     # DeepSeekMath (2402.03300): PPO's token ratio, per-sequence length normalisation, std-scaled advantages, KL.

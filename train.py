@@ -107,7 +107,8 @@ class Args:
     each out-of-memory error)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of keeping them (transformers' own, non-reentrant): less
-    memory for long completions, ~30% more update time; the same loss and gradient. Acts in the update only"""
+    memory for long completions at the cost of a second forward per layer; the same loss and gradient. Acts in the
+    update only"""
     lr: float = 5e-5
     """AdamW learning rate"""
     lr_scheduler: str = "constant_with_warmup"
@@ -194,8 +195,7 @@ DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKEN
                     "*": dict(max_new_tokens=64, total_steps=100),
                     # a pretrained model on a file or hub dataset: room for a chain of thought (TRL 1.16's GRPOConfig: 512)
                     "a file or hub dataset with a pretrained --model": dict(max_new_tokens=256, total_steps=100)}
-OBJECTIVE_FIELDS = ("importance_sampling_level", "loss_agg_mode", "epsilon", "epsilon_high", "beta", "scale_rewards",
-                    "surrogate", "sapo_tau_pos", "sapo_tau_neg")
+OBJECTIVE_FIELDS = losses.OBJECTIVE_FIELDS
 
 
 def dataset_defaults(dataset: str, model: str) -> dict:
@@ -674,8 +674,9 @@ def train(args: Args) -> dict:
                 guards.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
             policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
-        guards.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
-                                    train_set + test_set, args.max_new_tokens, args.answer_format)
+        if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
+            guards.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
+                                        train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
             start = load_policy(args)[0] if state else copy.deepcopy(policy)
