@@ -8,14 +8,16 @@ completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
 from the same policy, so contrasts are paired by seed. Two cells (regimes):
 
-    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4
-    stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5
+    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
+    stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5, 6b, 7, 8
 
 and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
 preset's β 0.04 would otherwise ride along with the ratio level):
 
-    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo
-    stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04
+    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo
+    stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
+
+(the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 
 A probe (`probe-<regime>-<arm>-s<seed>` in the data) is a short run made only to read a manipulation check in
 another regime; it enters no verdict and is reported beside the claim it probes.
@@ -63,32 +65,40 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "dapo-eh0.2": ("dapo", {"epsilon_high": "0.2"}),
         "grpo": ("grpo", {}),
         "gspo-b0.04": ("gspo", {"beta": "0.04"}),
+        "cispo": ("cispo", {}),
+        "sapo": ("sapo", {}),
+        "gmpo": ("gmpo", {}),
     }),
     "base": ({}, {
         "grpo-b0": ("grpo", {"beta": "0"}),
         "gspo": ("gspo", {}),
         "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
         "dr_grpo": ("dr_grpo", {}),
+        "cispo": ("cispo", {}),
+        "sapo": ("sapo", {}),
+        "gmpo": ("gmpo", {}),
     }),
 }
-# Run order (a run takes ~9 min on this CPU, so the order decides what a session's budget buys): the arms each
-# claim's main verdict rests on, seed by seed, first; then base's GSPO from its 4th seed (claim 2's clip ratio is two
-# orders of magnitude, clear at 3 seeds) and claim 5's DAPO arms from their 2nd seed (a DAPO run takes ~18 min, and
-# its manipulation check failed by more than an order of magnitude at seed 0, so more seeds cannot change the
-# verdict); the SECOND arms last.
-SECOND = {("stale16", "grpo"), ("stale16", "gspo-b0.04"), ("base", "dr_grpo")}
-LATER = {("base", "gspo"): 3, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1}  # arm -> first seed of tier 1
+# Run order (a run takes ~7 min on this CPU, so the order decides what a session's budget buys), each tier seed by
+# seed: (0) the arms claims 1-5's main verdicts rest on; (1) claim 3 at β = 0.04; (2) the successors (claims 6-8);
+# (3) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) base GSPO from its
+# 4th seed (claim 2's clip ratio is two orders of magnitude, clear at 3 seeds) and claim 5's DAPO arms from their 2nd
+# seed (a DAPO run takes ~18 min, and its manipulation check fails in stale16 and in every probed regime, so more
+# seeds cannot change the verdict).
+TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 3,
+         **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
+LATER = {("base", "gspo"): 3, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1}  # arm -> its first seed of tier 4
+SEEDS = (0, 1, 2, 3, 4)
 
 
 def tier(cell: str, arm: str, seed: int) -> int:
-    return 2 if (cell, arm) in SECOND else 1 if seed >= LATER.get((cell, arm), len(SEEDS)) else 0
-SEEDS = (0, 1, 2, 3, 4)
+    return 4 if seed >= LATER.get((cell, arm), len(SEEDS)) else TIERS.get((cell, arm), 0)
 
 
 def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
     """Every run of the study as train.py flags, in the run order above (by tier, then seed by seed)."""
     runs = []
-    for level in (0, 1, 2):
+    for level in range(5):
         for seed in seeds:
             for cell in cells:
                 regime, arms = CELLS[cell]
@@ -156,6 +166,25 @@ CLAIMS = [
           "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
           "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 (A > 0 and "
           "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates", unit="log ratio"),
+    # The successors (issue 22), registered before any of their runs: each at its preset (β = 0), against arms at β = 0
+    Claim("6-cispo-learn", "6a. CISPO learns at least as well as GSPO (MiniMax-M1 §3.1, ScaleRL)",
+          "MiniMax-M1 §3.1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13913)",
+          "final held-out accuracy (step 40)",
+          "base: cispo - gspo, paired by seed", 0.0,
+          "the hard clip has tokens to drop that CISPO keeps: GRPO's shadow clip fraction on CISPO's batches > 0 in "
+          "every seed", margin=0.10, unit="accuracy"),
+    Claim("6-cispo-stale", "6b. ...and does not collapse under stale ratios", "MiniMax-M1 §3.1; ScaleRL",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: gspo - cispo (GSPO's drop minus CISPO's), paired by seed", 0.0,
+          "staleness acts: CISPO's mean |log ρ_t| in stale16 >= 2x base", margin=0.10, unit="accuracy"),
+    Claim("7-sapo", "7. SAPO's soft gate is more stable than GRPO's hard clip (SAPO)", "SAPO, arXiv 2511.20347",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo-b0 - sapo (the surrogate only), paired by seed", 0.10,
+          "staleness acts: SAPO's mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
+    Claim("8-gmpo", "8. GMPO is more stable than GRPO (GMPO)", "GMPO, arXiv 2507.20673",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo-b0 - gmpo, paired by seed", 0.10,
+          "staleness acts: GMPO's mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
 ]
 # Reported beside claim 4, with no prediction of its own: the std scaling, the other half of Dr.GRPO's change.
 STD_CONTRAST = ("base", "grpo-b0-sumnorm", "dr_grpo")
@@ -433,12 +462,41 @@ def judge(runs: list[dict]) -> list[dict]:
         f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
         f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
         f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
+
+    # 6-8. the successors at their presets (β = 0), against the β = 0 arms
+    def staleness(arm):
+        x = mean_of(abs_log("stale16", arm)) / mean_of(abs_log("base", arm))
+        return x, f"mean |log ρ_t| stale16 / base: {arm} {x:.1f}x", x >= MANIPULATION["stale_x"]
+
+    def beside(new, old):
+        drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (new, old)}
+        fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (new, old)}
+        n = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
+             for a in (new, old)}
+        return (f"stale16 drop {ARM_LABELS[new]} {level(drop[new].values())}, {ARM_LABELS[old]} "
+                f"{level(drop[old].values())}; collapsed {n[new][0]}/{n[new][1]} vs {n[old][0]}/{n[old][1]}; final "
+                f"accuracy {new} - {old} {fmt_est(paired(fin[new], fin[old]))}"), drop
+
+    acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("cispo", "gspo", "grpo-b0")}
+    drops = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/shadow_grpo")) for a in ("cispo",)}["cispo"]
+    add("6-cispo-learn", paired(acc["cispo"], acc["gspo"]), mean_of(drops),
+        f"GRPO's clip would drop {mean_of(drops):.2g} of CISPO's tokens (> 0 in {sum(v > 0 for v in drops.values())} "
+        f"of {len(drops)} seeds)", bool(drops) and all(v > 0 for v in drops.values()),
+        f"final accuracy CISPO {level(acc['cispo'].values())}, GSPO {level(acc['gspo'].values())}, GRPO β=0 "
+        f"{level(acc['grpo-b0'].values())}; CISPO - GRPO β=0 {fmt_est(paired(acc['cispo'], acc['grpo-b0']))}")
+    text, drop = beside("cispo", "gspo")
+    add("6-cispo-stale", paired(drop["gspo"], drop["cispo"]), *staleness("cispo"), text)
+    for key, arm in (("7-sapo", "sapo"), ("8-gmpo", "gmpo")):
+        text, drop = beside(arm, "grpo-b0")
+        extra = (f"; mean SAPO gate weight f'(ρ) in stale16 {level(by_seed(runs, 'stale16', 'sapo', lambda r: run_mean(r, 'clip/sapo_gate_mean')).values())}"
+                 if arm == "sapo" else "")
+        add(key, paired(drop["grpo-b0"], drop[arm]), *staleness(arm), text + extra)
     return rows
 
 
 def probe_regime(run: dict) -> str:
     """A probe's flags that differ from the study's defaults (lr 5e-5, 4 minibatches), as text."""
-    return ", ".join(f"{k} {v}" for k, v in run["flags"].items() if k in ("lr", "num_minibatches", "num_epochs"))
+    return ", ".join(f"{k} {v}" for k, v in run["flags"].items() if k in ("lr", "num_minibatches", "num_epochs", "temperature"))
 
 
 def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
@@ -461,10 +519,11 @@ def level(values) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 ARM_STYLES = {"grpo-b0": "-", "gspo": "-", "dapo": "-", "dr_grpo": "-",  # colour: the algorithm (sweep.ALGO_COLORS)
+              "cispo": "-", "sapo": "-", "gmpo": "-",
               "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":"}  # line style: the arm
 ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high=0.28", "dr_grpo": "Dr.GRPO",
               "grpo-b0-sumnorm": "GRPO β=0, Dr.GRPO aggregation", "dapo-eh0.2": "DAPO ε_high=0.2",
-              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04"}
+              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO"}
 
 
 def style(runs: list[dict]) -> dict:
@@ -595,28 +654,30 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         ("eval/accuracy", False, "held-out greedy accuracy", "accuracy")),
         "base cell, both at β = 0: mean over seeds with its 95% t interval (the clip fraction in log space)")
 
-    # claim 3: stale16 at matched β
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    points = 0
-    names = ("grpo-b0", "gspo", "grpo", "gspo-b0.04")
-    for i, rs in enumerate(arms("stale16", names)):
-        points += band(axes[0], rs, "eval/accuracy", marker="o")
-        drops = [peak_drop(r) for r in rs]
-        e = estimate(drops)
-        st = style(rs)
-        axes[1].plot([i] * len(drops), drops, "o", color=st["color"], alpha=0.5, ms=4)
-        axes[1].errorbar([i + 0.15], [e.mean], yerr=[[e.mean - e.lo], [e.hi - e.mean]] if e.n > 1 else None,
-                         fmt="s", color=st["color"], capsize=4)
-        points += len(drops)
-    axes[1].axhline(COLLAPSE_DROP, color="gray", ls=":", lw=1)
-    axes[1].set_xticks(range(len(names)), [ARM_LABELS[a] for a in names], fontsize=8)
-    axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
-    axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points")
-    legend_below(fig, axes[:1])
-    figs["claim3_stability"] = (save(fig, out / "claim3_stability.png") and points, "stale16 (16 minibatches per "
-                                "rollout), GRPO vs GSPO at β = 0 (solid) and β = 0.04 (dotted): accuracy as mean "
-                                "over seeds with its 95% t interval; right: each seed's drop from its peak, grey: "
-                                "the 20-point collapse line")
+    def stability(name, names, caption):
+        """stale16: accuracy bands per arm (left), each seed's drop from its peak with the arm's mean and CI (right)."""
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        points, shown = 0, [a for a in names if arm_runs(runs, "stale16", a)]
+        for i, a in enumerate(shown):
+            rs = arm_runs(runs, "stale16", a)
+            points += band(axes[0], rs, "eval/accuracy", marker="o")
+            drops = [peak_drop(r) for r in rs]
+            e = estimate(drops)
+            st = style(rs)
+            axes[1].plot([i] * len(drops), drops, "o", color=st["color"], alpha=0.5, ms=4)
+            axes[1].errorbar([i + 0.15], [e.mean], yerr=[[e.mean - e.lo], [e.hi - e.mean]] if e.n > 1 else None,
+                             fmt="s", color=st["color"], capsize=4)
+            points += len(drops)
+        axes[1].axhline(COLLAPSE_DROP, color="gray", ls=":", lw=1)
+        axes[1].set_xticks(range(len(shown)), [ARM_LABELS[a] for a in shown], fontsize=8)
+        axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
+        axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points")
+        legend_below(fig, axes[:1])
+        figs[name] = (save(fig, out / f"{name}.png") and points, caption)
+
+    stability("claim3_stability", ("grpo-b0", "gspo", "grpo", "gspo-b0.04"), "stale16 (16 minibatches per rollout), "
+              "GRPO vs GSPO at β = 0 (solid) and β = 0.04 (dotted): accuracy as mean over seeds with its 95% t "
+              "interval; right: each seed's drop from its peak, grey: the 20-point collapse line")
 
     two_panels("claim4_length_bias", "base", ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo"), (
         ("charts/len_incorrect_rel", False, "incorrect / correct length within mixed groups", "ratio"),
@@ -630,6 +691,9 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         ("clip/differs", False, "tokens whose clip outcome differs between ε_high 0.2 and 0.28", "fraction of tokens")),
         "stale16, DAPO at ε_high 0.28 vs 0.2: mean over seeds with its 95% t interval (entropy in log space); right: "
         "the manipulation check per step", runs_of=lambda rs: differs(rs))
+    stability("claim6_8_successors", ("grpo-b0", "gspo", "cispo", "sapo", "gmpo"), "stale16, the successors at "
+              "their presets beside GRPO and GSPO, all at β = 0: accuracy as mean over seeds with its 95% t interval; "
+              "right: each seed's drop from its peak, grey: the 20-point collapse line")
     return figs
 
 
@@ -650,10 +714,10 @@ def table(rows: list[dict], mde: bool = True) -> list[str]:
              + "manipulation check | verdict |", "|---|---|---|---|---|---|" + ("---|" if mde else "")]
     for r in rows:
         e = r["estimate"]
-        check = f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
+        check = "n/a" if r["verdict"] == "not run" else f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
         unit = {c.key: c for c in CLAIMS}[r["key"]].unit
         cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
-            ([f"{e.mde:.2g}"] if mde else []) + [check, f"**{r['verdict']}**" + (
+            ([f"{e.mde:.2g}" if math.isfinite(e.mde) else "n/a"] if mde else []) + [check, f"**{r['verdict']}**" + (
                 f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else "")]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
@@ -718,7 +782,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
              "| cell | regime | arms |", "|---|---|---|"]
     for cell, (regime, arms) in CELLS.items():
         lines.append(f"| {cell} | {', '.join(f'{k}={v}' for k, v in regime.items()) or 'the defaults'} (lr 5e-5) | "
-                     + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seeds)" for a in arms) + " |")
+                     + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
     lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
     lines += ["", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (6 + 4) == 50
+    assert len(runs) == 5 * (9 + 7) == 80
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -27,9 +27,14 @@ def test_study_expands_to_the_documented_grid():
     assert by_name["stale16-dapo-eh0.2-s4"] == {"algo": "dapo", "seed": "4", "run_name": "stale16-dapo-eh0.2-s4",
                                                 "num_minibatches": "16", "epsilon_high": "0.2"}
     assert by_name["stale16-gspo-b0.04-s2"]["beta"] == "0.04" and "beta" not in by_name["stale16-grpo-s2"]
-    # the verdicts' main arms first, every seed, then base's GSPO past 3 seeds, then the others
+    assert by_name["stale16-sapo-s3"] == {"algo": "sapo", "seed": "3", "run_name": "stale16-sapo-s3",
+                                          "num_minibatches": "16"}  # the successors' presets are at β = 0 already
+    # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, Dr.GRPO, the late seeds
     tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and tiers.count(0) == 25 and tiers.count(1) == 10
+    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(5)] == [25, 10, 30, 5, 10]
+    successors = [n for n, t in zip(names, tiers) if t == 2]
+    seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
+    assert seeds == sorted(seeds) and len(successors) == 30  # seed by seed: a cut-short session has whole seeds
     for cell, (_, arms) in study.CELLS.items():  # documented where `python study.py --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
