@@ -20,7 +20,10 @@ preset's β 0.04 would otherwise ride along with the ratio level):
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 
 A probe (`probe-<regime>-<arm>-s<seed>` in the data) is a short run made only to read a manipulation check in
-another regime; it enters no verdict and is reported beside the claim it probes.
+another regime; it enters no verdict and is reported beside the claim it probes. Claim 5's ε_high changes the clip
+outcome of a token only when A > 0 and 1.2 < ρ <= 1.28, which needs π_old(y_t) < 1/1.2 = 0.83: a peaked policy has
+few such tokens, so the probes look for a regime where it binds (lr x4, four epochs over 16 minibatches, sampling
+temperature 1.5).
 
 The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
     The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
@@ -458,7 +461,9 @@ def judge(runs: list[dict]) -> list[dict]:
                             {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
         f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
         "".join(f"probe {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
-                f"{clip_differs(r):.2%} of tokens; " for r in runs if r["cell"] == "probe") +
+                f"{clip_differs(r):.2%} of tokens (entropy {run_mean(r, 'losses/entropy'):.2g} nats/token, held-out "
+                f"accuracy {r['rows'][0]['eval/accuracy']:.2f} -> {final_accuracy(r):.2f} on 8 problems); "
+                for r in runs if r["cell"] == "probe") +
         f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
         f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
         f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
