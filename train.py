@@ -223,9 +223,14 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
 
 
 def default_run_name(args: Args) -> str:
-    """<algo>[-<dataset>][-np<N>]-s<seed>: runs of the README's commands (another dataset, torchrun) get folders of
-    their own. The default dataset and one process add nothing (gspo-s0); --model does not enter the name."""
+    """<algo>[-<model>][-<dataset>][-np<N>]-s<seed>: runs of the documented commands (another model, dataset,
+    torchrun) get folders of their own. The embedded model (or one of its warm starts, `warm-start-*`), the default
+    dataset and one process add nothing (gspo-s0); a model adds its folder or file name (Qwen/Qwen2.5-0.5B-Instruct
+    -> Qwen2.5-0.5B-Instruct, ./m.Q4_1.gguf -> m.Q4_1)."""
     parts = [args.algo]
+    model = Path(args.model.rstrip("/")).name.removesuffix(".gguf")
+    if args.model != "embedded" and not model.startswith("warm-start-"):
+        parts.append(re.sub(r"[^A-Za-z0-9_.-]+", "-", model))
     if args.dataset != "embedded":
         name = Path(args.dataset.rstrip("/")).name
         name = name.split(".")[0] if Path(args.dataset).suffix else name  # data/gsm8k.jsonl -> gsm8k
@@ -795,7 +800,7 @@ def help_defaults() -> dict[str, str]:
     return {**{f: per_algo(f) for f in OBJECTIVE_FIELDS}, **{f: per_dataset(f) for f in DATASET_DEFAULTS["*"]},
             "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",
             "overlong_weight": "(default from --algo: 1 for dapo, 0 for the others)",
-            "run_name": "(default: <algo>[-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
+            "run_name": "(default: <algo>[-<model>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
             "resume": "(default: start a new run)", "wandb_group": "(default: none)"}
 
