@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from errors import UserError
+
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
             "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be resumed from; the message says why and what to do."""
 
 

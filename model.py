@@ -24,11 +24,12 @@ from transformers.utils import logging as hf_logging
 import network
 import rewards
 import task
+from errors import UserError
 
 hf_logging.disable_progress_bar()  # per-file load/save bars would bury the training log (and error lines)
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """A model that cannot be used; the message says what is wrong and what to do."""
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import network
 import rewards
+from errors import UserError
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
@@ -43,7 +44,7 @@ class Example:
     answer: str
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A dataset that cannot be used; the message says what is wrong and what to do."""
 
 

@@ -39,14 +39,17 @@ from transformers import get_scheduler
 
 import checkpoint
 import ddp
-import guards
+import errors
+import flags
+import lifecycle
 import losses
 import model as models
+import network
 import rewards
 import rollout
 import task
 from ddp import SINGLE, World
-from guards import DynamicSamplingError
+from errors import DynamicSamplingError
 from losses import LossConfig
 
 
@@ -177,7 +180,7 @@ class Args:
     save_model: bool = True
     """save the final policy with save_pretrained"""
 
-    # checkpoints and guards
+    # checkpoints and the run's safety nets (lifecycle.py)
     save_every: int = 0
     """write a checkpoint every this many steps (0: only when stopped by a signal or an error)"""
     keep_checkpoints: int = 2
@@ -488,7 +491,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
-            total, scored = guards.shrink_on_oom(lambda micro: accumulate(mb, micro), mb_size, args.micro_batch_size,
+            total, scored = lifecycle.shrink_on_oom(lambda micro: accumulate(mb, micro), mb_size, args.micro_batch_size,
                                                  lambda: optimizer.zero_grad(set_to_none=True), world.size)
             total = world.sum([total])[0]  # the whole step's loss: every rank takes the same decision below
             seen += scored
@@ -599,9 +602,9 @@ class Logger:
         self.file = self.run = None
         if active:
             self.file = (run_dir / "metrics.jsonl").open("a")
-            self.run = guards.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
+            self.run = network.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
                                          tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
-                                         mode=guards.wandb_mode(args.wandb_mode), id=wandb_id,
+                                         mode=network.wandb_mode(args.wandb_mode), id=wandb_id,
                                          resume="allow" if wandb_id else None)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -640,7 +643,7 @@ def eval_lines(when: str, m: dict, sample: tuple | None, n_problems: int) -> str
 
 def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, policy, world: World) -> list[str]:
     """Where the run's files go, what it trains on and with what: printed once before the first evaluation."""
-    mode = guards.wandb_mode(args.wandb_mode)
+    mode = network.wandb_mode(args.wandb_mode)
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
@@ -663,24 +666,24 @@ def train(args: Args) -> dict:
     args, cfg = resolve(args)
     run_dir = Path(args.output_dir) / args.run_name
     # every flag, the run folder and the checkpoint to resume from, before anything is loaded or written
-    resume_from, state = guards.preflight(args, run_dir, ddp.world_size())
+    resume_from, state = lifecycle.preflight(args, run_dir, ddp.world_size())
     world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
     if args.threads:
         torch.set_num_threads(args.threads)
 
     # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
-    with guards.Startup(), guards.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
+    with lifecycle.Startup(), lifecycle.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
             train_set, test_set = load_data(args)
             test_set = test_set[: args.eval_size or None]
-            guards.check_references(train_set + test_set, args.answer_format)
+            flags.check_references(train_set + test_set, args.answer_format)
             if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
-                guards.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
+                flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
             policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
-            guards.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
+            flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
                                         train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
@@ -737,12 +740,12 @@ def train(args: Args) -> dict:
         world.barrier()
         return checkpoint.path_of(run_dir / "checkpoints", step)
 
-    stop, start, metrics = guards.GracefulStop(), time.time(), before
+    stop, start, metrics = lifecycle.GracefulStop(), time.time(), before
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
-    failures = guards.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
-    nonfinite = guards.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
-    nothing_correct = guards.NothingCorrect(args.answer_format, train_set[0].answer)
-    truncated = guards.TruncatedStreak(args.max_new_tokens)
+    failures = lifecycle.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
+    nonfinite = lifecycle.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
+    nothing_correct = lifecycle.NothingCorrect(args.answer_format, train_set[0].answer)
+    truncated = lifecycle.TruncatedStreak(args.max_new_tokens)
     try:
         for step in range(first_step, args.total_steps + 1):
             with failures(step):
@@ -806,9 +809,9 @@ def help_defaults() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli = guards.default_hints(guards.docstrings_as_help(Args), help_defaults())
+    cli = flags.default_hints(flags.docstrings_as_help(Args), help_defaults())
     args = tyro.cli(cli, description=__doc__, args=argv)
-    with guards.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
+    with errors.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
         train(args)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import checkpoint
-import guards
+import errors
 import train
 
 from conftest import SMALL  # noqa: E402  the shared small run, as flags
@@ -497,4 +497,10 @@ def test_minutes_after_a_resume_count_the_whole_run(tmp_path, tiny_policy_dir):
 
 
 def test_user_errors_are_what_main_turns_into_one_line():
-    assert guards.Interrupted in guards.USER_ERRORS and guards.NonFiniteError in guards.USER_ERRORS
+    import checkpoint
+    import model
+    import task
+
+    for cls in (errors.ConfigError, errors.Interrupted, errors.NonFiniteError, errors.OutOfMemory,
+                errors.DynamicSamplingError, checkpoint.CheckpointError, model.ModelError, task.TaskError):
+        assert issubclass(cls, errors.UserError), cls

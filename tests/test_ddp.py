@@ -146,7 +146,8 @@ def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
     """NCCL needs a GPU per process: torchrun with 2 processes on a 1-GPU machine is refused before any set-up."""
-    import guards
+    import errors
+    import flags
     import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -154,10 +155,10 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     args = train.resolve(train.Args(wandb_mode="disabled"))[0]
-    with pytest.raises(guards.ConfigError, match=r"starts 2 processes on this machine but it has 1 GPU.*"
+    with pytest.raises(errors.ConfigError, match=r"starts 2 processes on this machine but it has 1 GPU.*"
                                                   r"--nproc-per-node 1 \(or --device cpu\)"):
-        guards.validate(args, world_size=2)
-    guards.validate(replace(args, device="cpu"), world_size=2)  # gloo on the CPU: any number of processes
+        flags.validate(args, world_size=2)
+    flags.validate(replace(args, device="cpu"), world_size=2)  # gloo on the CPU: any number of processes
 
 
 def test_peer_failures_are_told_apart_from_bugs(monkeypatch):

@@ -43,14 +43,20 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = project_imports()
-    assert {"train", "losses", "guards", "model", "task", "network"} <= set(graph)
+    assert {"train", "losses", "errors", "flags", "lifecycle", "model", "task", "network"} <= set(graph)
     assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
 def test_the_cycle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert {"model"} <= project_imports()["guards"]  # function-local imports are read too
+    assert {"model", "train"} <= project_imports()["sweep"]  # function-local imports are read too
+
+
+def test_errors_is_the_ground_floor():
+    """Every module may raise a user error, so errors.py imports nothing of the project but ddp (for the rank)."""
+    graph = project_imports()
+    assert graph["errors"] <= {"ddp"} and graph["network"] == set()
 
 
 def test_readme_objectives_table_matches_the_presets():

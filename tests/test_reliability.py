@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import checkpoint
-import guards
+import lifecycle
 import losses
 import rewards
 import train
@@ -104,12 +104,12 @@ def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, rand
 
 
 def test_out_of_memory_is_recognised_on_every_device():
-    assert guards.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert guards.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 8.00 GB)"))
-    assert guards.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+    assert lifecycle.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert lifecycle.is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 8.00 GB)"))
+    assert lifecycle.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
                                                 "can't allocate memory: you tried to allocate 80000000000000 bytes"))
-    assert not guards.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x2)"))
-    assert not guards.is_out_of_memory(ValueError("out of memory"))
+    assert not lifecycle.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x2)"))
+    assert not lifecycle.is_out_of_memory(ValueError("out of memory"))
 
 
 def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, capsys, tiny_policy_dir, monkeypatch):

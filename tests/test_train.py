@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import guards
+import errors
+import lifecycle
+import network
 import train
 
 from conftest import SMALL_ARGS  # noqa: E402
@@ -87,12 +89,12 @@ def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path, tiny
         return real(policy, ro, rows, args, with_entropy)
 
     monkeypatch.setattr(train, "logprobs_of", small_device)
-    monkeypatch.setattr(guards, "AUTO_MICRO_BATCH", {})
+    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
     _, auto, _ = run(tmp_path / "auto", tiny_policy_dir, algo="gspo", save_model=False)
     out = capsys.readouterr().out
     assert "out of memory at 8 rows" in out and "out of memory at 4 rows" in out
     assert out.count("out of memory") == 2  # remembered after the first step, not searched again
-    assert guards.AUTO_MICRO_BATCH == {8: 2}
+    assert lifecycle.AUTO_MICRO_BATCH == {8: 2}
     for a, b in zip(auto, fixed):
         assert a.keys() == b.keys()
         for key in a:
@@ -170,7 +172,7 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert guards.wandb_mode(None) == "offline"
+    assert network.wandb_mode(None) == "offline"
     run(tmp_path, tiny_policy_dir, algo="gspo", wandb_mode=None, save_model=False)
     files = glob.glob(str(tmp_path / "gspo-s0" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
@@ -208,7 +210,7 @@ def test_boxed_without_math_verify_is_one_line_error(tmp_path, monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
-    with pytest.raises(guards.ConfigError, match="pip install math-verify"):
+    with pytest.raises(errors.ConfigError, match="pip install math-verify"):
         train.train(train.Args(**{**SMALL, "answer_format": "boxed", "output_dir": str(tmp_path)}))
     assert not any(tmp_path.iterdir())  # refused before any folder was made
 

@@ -1,0 +1,70 @@
+"""User errors: the exceptions a user can cause, and how one is printed (one `error: ...` line, exit code 2).
+
+Every such exception is a UserError (the flags' ConfigError here; model.ModelError, task.TaskError,
+checkpoint.CheckpointError beside the code that raises them). `one_line_errors()` around train() prints one as a
+single line, once per torchrun job; anything else is a bug and keeps its traceback. Imports only ddp (the rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import ddp
+
+
+class UserError(Exception):
+    """An error the user can fix: its message says what was wrong and what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A flag value that cannot work; the message says which and what to do."""
+
+
+class NonFiniteError(UserError, RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class OutOfMemory(UserError, RuntimeError):
+    """The device ran out of memory even at one row per forward/backward, or while generating."""
+
+
+class Interrupted(UserError, RuntimeError):
+    """Ctrl-C or SIGTERM before the first step: nothing was kept."""
+
+
+class DynamicSamplingError(UserError, RuntimeError):
+    """Dynamic sampling could not fill a batch with informative groups."""
+
+
+class PeerFailure(RuntimeError):
+    """Under torchrun: another rank stopped (its own error is printed by it), so this one stops too."""
+
+
+PER_RANK = (OutOfMemory, PeerFailure)  # the errors one rank can meet alone; every rank meets the others the same way
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around train(): a user error (a UserError, or under torchrun a collective that failed because another rank
+    died) is printed as one line and exits with code 2; anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except UserError as e:
+        report(e, ddp.rank())
+        sys.exit(2)
+    except RuntimeError as e:
+        if not ddp.is_peer_failure(e):
+            raise
+        report(PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); torchrun's report "
+                           "names it and its exit code"), ddp.rank())
+        sys.exit(2)
+    finally:
+        ddp.teardown()
+
+
+def report(e: BaseException, rank: int) -> None:
+    """One `error: ...` line. Under torchrun every rank meets a bad flag or dataset alike, so rank 0 alone prints
+    it; a per-rank error names its rank."""
+    if rank == 0 or isinstance(e, PER_RANK):
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{e}", file=sys.stderr)

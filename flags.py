@@ -1,0 +1,253 @@
+"""Flags: every value checked before anything is loaded or written, and --help's text.
+
+    validate(args)            each flag on its own and against the others (and torchrun's process count)
+    check_writable(folder)    --output-dir can really be created
+    check_references(...)     data checks that need the loaded rows: references the answer format can match,
+    check_prompt_lengths(...) prompts that fit the model's context with --max-new-tokens
+    docstrings_as_help(cls)   each Args field's docstring is its --help text; default_hints shows derived defaults
+
+The first wrong value is one ConfigError (errors.py): one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import os
+import textwrap
+import types
+from dataclasses import asdict, fields
+from decimal import Decimal
+from pathlib import Path
+
+import torch
+
+import ddp
+import losses
+import model as models
+import network
+import rewards
+from errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every flag
+# ---------------------------------------------------------------------------------------------------------------
+
+MAX_EVAL_SAMPLES = 1024  # pass@k papers sample up to a few hundred per problem; more is a run that never evaluates
+CHECKS = [  # (is the value wrong?, message): checked before any work is done
+    (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
+                                      "advantage compares completions of the same prompt"),
+    (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.threads < 0, "--threads must be >= 0 (got {threads}); 0 keeps torch's default"),
+    (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
+    (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
+    (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
+    (lambda a: not a.lr > 0, "--lr must be > 0 (got {lr}); the default is 5e-5"),
+    (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
+    (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
+    (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
+    (lambda a: not 0 < a.epsilon < 1 and not (a.surrogate in ("cispo", "gmpo") and 0 < a.epsilon <= 1),
+     "--epsilon must be in (0, 1) (got {epsilon}; CISPO and GMPO take 1, no lower bound); GRPO uses 0.2, GSPO 3e-4"),
+    (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
+    (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
+    (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
+    (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "
+                                       "them to the machine"),
+    (lambda a: a.max_sampling_rounds < 1, "--max-sampling-rounds must be at least 1 (got {max_sampling_rounds})"),
+    (lambda a: a.overlong_weight and not 0 < a.overlong_cache <= a.max_new_tokens,
+     "--overlong-cache must be in [1, --max-new-tokens] (got {overlong_cache}) when the overlong term is on"),
+    (lambda a: a.eval_every < 1, "--eval-every must be at least 1 (got {eval_every})"),
+    (lambda a: a.eval_size < 0, "--eval-size must be >= 0 (got {eval_size}); 0 evaluates every held-out problem"),
+    (lambda a: a.eval_samples < 0, "--eval-samples must be >= 0 (got {eval_samples}); 0 evaluates greedily only"),
+    (lambda a: a.eval_samples > MAX_EVAL_SAMPLES, "--eval-samples {eval_samples} would sample that many completions "
+     f"of every held-out problem at every evaluation; pass@k estimates need far fewer: use at most {MAX_EVAL_SAMPLES} "
+     "(and --eval-size to evaluate fewer problems)"),
+    (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
+    (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
+    (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
+    (lambda a: not 0 <= a.seed < 2**32, "--seed must be in [0, 2**32) (got {seed})"),
+    (lambda a: a.temperature < 0.01, "--temperature {temperature} is greedy in all but name: every completion of a "
+                                     "group would be the same, so no advantage is non-zero. Use >= 0.01 (1.0 samples "
+                                     "plainly)"),
+    (lambda a: a.format_weight < 0 or a.overlong_weight < 0,
+     "reward weights must be >= 0 (got --format-weight {format_weight}, --overlong-weight {overlong_weight}); a "
+     "negative one rewards what it should punish"),
+    (lambda a: a.resume and a.overwrite, "--resume and --overwrite contradict each other: --resume continues a run, "
+                                         "--overwrite replaces it; pass one"),
+    (lambda a: any(not 1 <= len(t) <= 64 for t in a.wandb_tags), "--wandb-tags: each tag must be 1 to 64 characters "
+                                                                  "(wandb's limit)"),
+    (lambda a: not a.output_dir.strip(), "--output-dir must name a folder (got {output_dir!r}); the default is runs"),
+    (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
+    (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
+]
+
+
+def docstrings_as_help(cls):
+    """Hand each dataclass field's docstring to tyro as its --help text, as one paragraph. (tyro 1.0.17 removes single
+    line breaks before dedenting, so a field docstring's indented continuation lines stay hard breaks in --help.)"""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            f = cls.__dataclass_fields__[node.target.id]
+            f.metadata = types.MappingProxyType({**f.metadata, "help": " ".join(str(after.value.value).split())})
+    return cls
+
+
+def default_hints(cls, hints: dict[str, str]):
+    """Show a derived default in --help (e.g. '(default from --algo: ...)') where tyro would print
+    '(default: None)' for a field whose None means 'taken from another flag'."""
+    import typing
+
+    import tyro
+
+    resolved = typing.get_type_hints(cls)  # plain types: wrapping again on a second call replaces the hint
+    for name, hint in hints.items():
+        cls.__annotations__[name] = typing.Annotated[resolved[name], tyro.conf.arg(help_behavior_hint=hint)]
+    return cls
+
+
+def working_schedulers() -> list[str]:
+    """The transformers scheduler names the loop can drive: built from (warmup, total) steps alone and stepped
+    without a metric (reduce_lr_on_plateau, cosine_with_min_lr, warmup_stable_decay, ... need more)."""
+    from transformers import get_scheduler
+    from transformers.trainer_utils import SchedulerType
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    names = []
+    for kind in SchedulerType:
+        try:
+            scheduler = get_scheduler(kind.value, opt, num_warmup_steps=1, num_training_steps=4)
+            opt.step()  # no parameter has a gradient: a no-op, in the order torch expects
+            scheduler.step()
+            names.append(kind.value)
+        except (TypeError, ValueError):
+            pass
+    return names
+
+
+def validate(args, world_size: int = 1) -> None:
+    """Every flag on its own and against the others (and against torchrun's process count); the first wrong one is
+    a ConfigError."""
+    for f in fields(args):  # no inf or nan anywhere: --lr inf, --temperature inf, --format-weight nan, ...
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+    for wrong, message in CHECKS:
+        if wrong(args):
+            raise ConfigError(message.format(**asdict(args)))
+    try:  # objective fields that do not go together (CISPO at sequence level, GMPO at token level, ...)
+        losses.check_config(losses.LossConfig(**{f: getattr(args, f) for f in losses.OBJECTIVE_FIELDS}))
+    except ValueError as e:
+        raise ConfigError(f"--algo {args.algo}: {e}")
+    if args.num_prompts % world_size:
+        raise ConfigError(f"--num-prompts {args.num_prompts} is not divisible by the {world_size} processes (each takes "
+                          f"whole prompt groups); use a multiple of {world_size}")
+    if args.num_minibatches < 1 or (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
+        rollout = "the rollout's" if world_size == 1 else "each process's"
+        raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide {rollout} "
+                          f"{args.num_prompts // world_size}x{args.num_generations} rows")
+    if world_size > 1 and (args.device not in ("auto", "cpu", "cuda") or (
+            args.device == "auto" and not torch.cuda.is_available() and torch.backends.mps.is_available())):
+        raise ConfigError(f"--device {args.device} under torchrun: each rank takes its own GPU (LOCAL_RANK) with "
+                          "--device auto or cuda; without CUDA, use --device cpu (gloo cannot reduce MPS tensors)")
+    gpus, local = torch.cuda.device_count() if torch.cuda.is_available() else 0, ddp.local_world_size()
+    if ddp.launched() and args.device in ("auto", "cuda") and 0 < gpus < local:
+        raise ConfigError(f"torchrun starts {local} processes on this machine but it has {gpus} GPU(s), one per "
+                          f"process; use --nproc-per-node {gpus} (or --device cpu)")
+    if args.lr_scheduler not in (names := working_schedulers()):
+        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
+    name = args.run_name
+    if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
+        raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
+    check_device(args.device)
+    context = models.context_without_loading(args.model, args.dataset)
+    if context and args.max_new_tokens >= context:  # every prompt takes a token at least: refused before any warm
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context "
+                          f"of {context} tokens; use at most {context - 1} minus the longest prompt")  # start or load
+    if args.dtype == "float16" and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()
+                                                            and not torch.backends.mps.is_available())):
+        raise ConfigError("--dtype float16 on the CPU overflows in training (no loss scaling); use float32 or bfloat16")
+    if args.answer_format == "boxed":
+        try:
+            rewards.require_math_verify()
+        except rewards.VerifierError as e:
+            raise ConfigError(str(e))
+    check_wandb_login(args.wandb_mode)
+
+
+def check_device(name: str) -> None:
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this torch has no usable CUDA device (torch {torch.__version__}); "
+                          "use --device auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available on this machine; use --device auto or cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device {name}: only cpu, cuda and mps are supported; use --device auto")
+
+
+def check_writable(folder: Path) -> None:
+    """`folder` must be creatable: its nearest existing ancestor a directory that really takes a new entry (a
+    permission bit is not proof: /proc or a read-only mount say writable to root). Proved by making and removing an
+    empty folder there; nothing is left behind."""
+    import tempfile
+
+    probe = folder.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    why = "not a folder" if not probe.is_dir() else None
+    if why is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".grpo-probe-", dir=probe))
+        except OSError as e:
+            why = f"it takes no new folder: {e.strerror or type(e).__name__}"
+    if why:
+        raise ConfigError(f"--output-dir {folder} cannot be created ({probe}: {why}); pass a folder you can write to")
+
+
+def check_wandb_login(requested: str | None) -> None:
+    if network.wandb_mode(requested) == "online" and not network.wandb_has_login():
+        raise ConfigError("wandb online needs a login (`wandb login`, or WANDB_API_KEY); use --wandb-mode offline "
+                          "(sync later with `wandb sync`) or disabled")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks that need the data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_references(examples: list, answer_format: str) -> None:
+    """Under last-number, a reference that is not a number can never be matched: refuse it when the data is
+    loaded, naming the first such row."""
+    if answer_format != "last-number":
+        return
+    for i, ex in enumerate(examples):
+        if not isinstance(rewards.normalize(ex.answer), Decimal):
+            raise ConfigError(f"--answer-format last-number scores the last number of a completion, but the reference "
+                              f"of row {i} ({ex.prompt[:40]!r}) is {ex.answer[:40]!r}, not a number, so it could never "
+                              "be matched; fix the references (GSM8K's worked answers keep what follows '####') or "
+                              "use --answer-format tags or boxed")
+
+
+
+def check_prompt_lengths(tokenizer, context: int | None, examples: list, max_new_tokens: int,
+                         answer_format: str) -> None:
+    """Every prompt plus the generation budget must fit the model's context. For the embedded model the tokenizer
+    and context are known before its warm start is built, so this runs before minutes of work."""
+    if not context:
+        return
+    prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens > context:
+        raise ConfigError(f"prompt {longest} ({examples[longest].prompt[:40]!r}...) has {lengths[longest]} tokens; "
+                          f"with --max-new-tokens {max_new_tokens} it exceeds the model's context of {context}. "
+                          "Shorten or drop such prompts, or lower --max-new-tokens")

@@ -1,0 +1,298 @@
+"""A run's life: its folder, start-up, signals, out-of-memory, failed steps and the warnings that watch it.
+train.py calls these; none holds RL.
+
+    preflight(args, ...)    the flags (flags.py), the output folder, the run folder and the checkpoint --resume names
+    check_run_folder(...)   a finished run is never replaced; an unfinished one is resumed or replaced on request
+    NewRunFolder            the folder start-up made is removed again if start-up fails, so the command can rerun
+    Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
+    shrink_on_oom(...)      --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
+    StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
+                            was saved; NonFiniteStreak stops a run whose updates are all non-finite
+    NothingCorrect / TruncatedStreak   one warning each when the reward or the token budget looks wrong
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import flags
+from errors import ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OutOfMemory
+
+# ---------------------------------------------------------------------------------------------------------------
+# Before start-up: what can be checked without loading or writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def preflight(args, run_dir: Path, world_size: int = 1):
+    """Everything that can be checked before a byte is loaded or written: the flags, the output folder, the run
+    folder (a finished run is never replaced) and the checkpoint --resume names. Returns (checkpoint path, its state)
+    or (None, None)."""
+    flags.validate(args, world_size)
+    flags.check_writable(Path(args.output_dir))
+    check_run_folder(run_dir, args.resume, args.overwrite)
+    resume_from = checkpoint.find(args.resume, run_dir) if args.resume else None
+    if resume_from is None:
+        return None, None
+    state = checkpoint.load_state(resume_from)
+    checkpoint.check_world_size(state, world_size, resume_from)
+    for change in checkpoint.compare_configs(state["config"], asdict(args)):
+        print(f"resume: allowed change {change}")
+    return resume_from, state
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run folder: never replace a finished run, never leave one that its own advice cannot get out of
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def finished_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None if not (run_dir / "summary.json").exists() else {}
+
+
+def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse what would replace a finished run or silently mix two runs; each message names a way out that works.
+
+    finished (summary.json)      kept unless --overwrite; to train further, start a new run from its final model
+    unfinished, checkpoints      --resume auto continues it (or --overwrite, or another --run-name)
+    unfinished, no checkpoint    nothing to resume: --overwrite starts it again (or another --run-name)
+    """
+    outputs = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "final")
+    if overwrite or not any((run_dir / name).exists() for name in outputs):
+        return  # no run here (a launcher's own files, such as sweep.py's console.log, do not count)
+    summary = finished_summary(run_dir)
+    if summary is not None:
+        n = summary.get("steps", "?")
+        result = (f"{n} step{'' if n == 1 else 's'}, held-out accuracy {summary.get('accuracy_before', float('nan')):.3f} "
+                  f"-> {summary.get('accuracy_after', float('nan')):.3f}") if summary else "summary unreadable"
+        ways = []
+        ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
+        if ckpts:
+            ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it exactly")
+        if (run_dir / "final" / "config.json").is_file():
+            ways.append(f"--model {run_dir / 'final'} --run-name NEW_NAME starts a new run from its final policy")
+        further = ("; to train further, in a new folder: " + ", or ".join(ways)) if ways else ""
+        raise ConfigError(f"{run_dir} is a finished run ({result}); its results are kept. --run-name NEW_NAME starts "
+                          f"a fresh run beside it{further}; --overwrite replaces it")
+    ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
+    if ckpts and not resume:
+        raise ConfigError(f"{run_dir} holds an unfinished run (latest checkpoint {ckpts[-1].name}); --resume auto "
+                          "continues it, --overwrite replaces it, --run-name NAME starts another")
+    if not ckpts and (resume == "auto" or not resume):
+        raise ConfigError(f"{run_dir} holds an unfinished run with no checkpoint to resume (it stopped before one "
+                          "was saved); --overwrite starts it again, --run-name NAME starts another")
+
+
+class NewRunFolder:
+    """The run folder's life during start-up: `create()` makes it (replacing an old one when asked); if start-up
+    then fails or is interrupted, the folders this call created are removed again, so the same command can rerun."""
+
+    def __init__(self, run_dir: Path, replace: bool):
+        self.run_dir, self.replace, self.created, self.logger = run_dir, replace, None, None
+
+    def create(self) -> None:
+        if self.replace:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        top = self.run_dir
+        while not top.parent.exists():  # the outermost folder that this call creates
+            top = top.parent
+        self.created = None if top.exists() else top
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            if self.logger is not None:
+                self.logger.finish()
+            if self.created is not None:
+                shutil.rmtree(self.created, ignore_errors=True)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Startup:
+    """During start-up (loading, the first evaluation) Ctrl-C and SIGTERM raise Interrupted; train.py then removes
+    the run folder it created, so a rerun of the same command starts cleanly."""
+
+    def __enter__(self):
+        def handler(signum, frame):
+            raise Interrupted(f"interrupted by {signal.Signals(signum).name} during start-up, before step 1; "
+                              "nothing was kept: run the same command again")
+
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        return False
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and exits 0. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"\n{self.signal}: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Out of memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; MPS and the CPU allocator a RuntimeError that says so."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+
+
+def free_cached_memory() -> None:
+    """Hand the allocator's cached blocks back after an out-of-memory error (CUDA keeps them otherwise)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
+    """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
+    the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
+    free_cached_memory()
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else "no details"
+    last = None if unchanged else checkpoint.all_checkpoints(run_dir / "checkpoints")
+    if unchanged or last:
+        where = f"saved {save_start()}" if unchanged else f"latest checkpoint: {last[-1]}"
+        way_out = f"Set --micro-batch-size and {resume_hint}"
+    else:
+        where = "no checkpoint to resume (--save-every N keeps some)"
+        way_out = "Start again with --overwrite and a smaller --micro-batch-size"
+    return OutOfMemory(f"out of memory in step {step} ({reason[:120]}); {where}. {way_out}, or start a new run "
+                       "with fewer --num-prompts/--num-generations/--max-new-tokens")
+
+
+AUTO_MICRO_BATCH: dict[int, int] = {}  # rows of an optimizer step -> micro-batch size that fits
+
+
+def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
+    """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
+    each out-of-memory error, calls `reset` (drop the partial gradient) and retries at half; the size that fits is
+    remembered for the rest of the process, per `rows`. Over several processes an error is raised instead: one
+    rank retrying alone would leave the others waiting in the gradient all-reduce."""
+    micro = fixed or AUTO_MICRO_BATCH.get(rows, rows)
+    while True:
+        try:
+            return run(micro)
+        except RuntimeError as e:
+            if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
+                raise
+            reset()
+            free_cached_memory()
+            micro = AUTO_MICRO_BATCH[rows] = micro // 2
+            print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A failed step: one line that names what was saved
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StepFailures:
+    """Wraps one RL step. If dynamic sampling gives up, nothing was updated, so the state the step started from is
+    saved (every rank takes part: the decision was global). If memory runs out before the first optimizer step of
+    the step, the same is saved in a single process; otherwise the latest checkpoint is named."""
+
+    def __init__(self, save, run_dir: Path, resume_hint: str, gen: torch.Generator, stream, scheduler,
+                 world_size: int):
+        self.save, self.run_dir, self.hint, self.gen = save, run_dir, resume_hint, gen
+        self.stream, self.scheduler, self.world_size = stream, scheduler, world_size
+
+    def __call__(self, step: int) -> "StepFailures":
+        self.step, self.rng, self.cursor = step, checkpoint.rng_state(self.gen), self.stream.cursor
+        self.updates = self.scheduler.last_epoch  # optimizer steps taken before this step
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        save_start = lambda: self.save(self.step - 1, self.rng, self.cursor)  # noqa: E731
+        if isinstance(exc, DynamicSamplingError):
+            raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
+                                       "or start again with --overwrite and more --num-generations or "
+                                       "--no-dynamic-sampling") from None
+        if exc is not None and is_out_of_memory(exc):
+            unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
+            raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None
+        return False
+
+
+class NonFiniteStreak:
+    """Stops a run after `limit` steps in a row in which every update was skipped as non-finite."""
+
+    def __init__(self, limit: int, updates_per_step: int):
+        self.limit, self.per_step, self.streak = limit, updates_per_step, 0
+
+    def check(self, step: int, skipped: int) -> None:
+        self.streak = self.streak + 1 if skipped == self.per_step else 0
+        if self.streak >= self.limit:
+            raise NonFiniteError(
+                f"{self.streak} steps in a row had only non-finite losses or gradients (last finite step: "
+                f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then "
+                "start again with --overwrite (or another --run-name)")
+
+
+class NothingCorrect:
+    """One warning when no sampled completion of the first `steps` steps was scored correct: the answer format and
+    the references may not fit each other (a silent reward of 0 for the whole run)."""
+
+    def __init__(self, answer_format: str, reference: str, steps: int = 5):
+        self.format, self.reference, self.steps, self.seen, self.any = answer_format, reference, steps, 0, False
+
+    def check(self, accuracy: float) -> None:
+        self.seen += 1
+        self.any = self.any or accuracy > 0
+        if self.seen == self.steps and not self.any:
+            print(f"warning: no completion of the first {self.steps} steps was scored correct. Check that "
+                  f"--answer-format {self.format} finds answers the references can equal (e.g. reference "
+                  f"{self.reference[:40]!r}), or whether the model can answer at all", flush=True)
+
+
+class TruncatedStreak:
+    """One warning when more than half of each rollout's completions hit --max-new-tokens for `steps` steps in a
+    row: answers are being cut off (chains of thought need room), and the reward sees none of them finish."""
+
+    def __init__(self, max_new_tokens: int, steps: int = 3):
+        self.max_new_tokens, self.steps, self.streak, self.warned = max_new_tokens, steps, 0, False
+
+    def check(self, truncated_frac: float) -> None:
+        self.streak = self.streak + 1 if truncated_frac > 0.5 else 0
+        if self.streak >= self.steps and not self.warned:
+            self.warned = True
+            print(f"warning: more than half of the completions hit --max-new-tokens {self.max_new_tokens} in each of "
+                  f"the last {self.steps} steps (truncated: no answer, and DAPO's overlong penalty); raise "
+                  "--max-new-tokens", flush=True)
