@@ -296,3 +296,17 @@ class TruncatedStreak:
             print(f"warning: more than half of the completions hit --max-new-tokens {self.max_new_tokens} in each of "
                   f"the last {self.steps} steps (truncated: no answer, and DAPO's overlong penalty); raise "
                   "--max-new-tokens", flush=True)
+
+
+class Watch:
+    """The checks after every step: NonFiniteStreak (stops the run), NothingCorrect and TruncatedStreak (warn once)."""
+
+    def __init__(self, args, first_reference: str):
+        self.nonfinite = NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
+        self.nothing_correct = NothingCorrect(args.answer_format, first_reference)
+        self.truncated = TruncatedStreak(args.max_new_tokens)
+
+    def check(self, step: int, metrics: dict) -> None:
+        self.nonfinite.check(step, metrics["losses/skipped_updates"])
+        self.nothing_correct.check(metrics["charts/accuracy"])
+        self.truncated.check(metrics["charts/truncated_frac"])

@@ -228,7 +228,7 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
         batch = [problems[i] for i in idx]
         texts = [(p, task.solve(p, rng, settings["slip_prob"], first_step_only=long)) for p in batch]
         chunk = settings.get("sft_chunk")
-        if chunk:  # padded in chunks of similar length (long answers span 20-300 tokens): the same gradient as
+        if chunk:  # padded in chunks of similar length (long answers span 20-295 tokens): the same gradient as
             texts.sort(key=lambda pt: len(pt[1]))  # one padded batch, without computing most of the padding
         size = chunk or len(texts)
         chunks = [sft_batch(tokenizer, texts[i:i + size]) for i in range(0, len(texts), size)]

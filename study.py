@@ -3,7 +3,7 @@
     python study.py                      # every run below (resumable: finished runs are skipped), then the report
     python study.py --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
 
-Every run is `train.py --dataset embedded-long --num-prompts 8` (answers of 20-300 tokens, 8 prompts x 8
+Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (the run order below
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
 from the same policy, so contrasts are paired by seed. Two cells (regimes):
@@ -746,7 +746,7 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     minutes = sum(PER_RUN["minutes"](r) for r in runs)
     lines = [README_BEGIN, "",
              f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time) "
-             f"on `--dataset embedded-long` (answers of 20-300 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
+             f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
              "ratios alone). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
              "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "

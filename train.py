@@ -6,11 +6,15 @@ Each step: draw P prompts, sample G completions each, verify them, compute group
 
 The P*G rollout then feeds `num_minibatches` optimizer steps per pass, for `num_epochs` passes;
 
-each optimizer step is one of the four objectives in losses.py.
+each optimizer step is one of the seven objectives in losses.py.
 
 Only a rollout's first minibatch is on-policy (ratio 1); the later ones see a moved policy,
 
 so the ratios, their variance and the clip fractions (the GSPO paper's subject) are non-trivial.
+
+Reading the code: `# ALGO:` marks the algorithm (change an objective or the loop there);
+
+`# PLUMBING:` marks bookkeeping (devices, logs, checkpoints, failures) that changes nothing learned.
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ class Args:
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """'embedded' (the generated remainder task, 10-55-token answers), 'embedded-long' (the same, worked over up to 36
-    subtractions: 20-300-token answers), 'embedded-instruct' (the default phrased for instruct models), 'embedded-add'
+    """'embedded' (the generated remainder task, 11-42-token answers), 'embedded-long' (the same, worked over up to 36
+    subtractions: 20-295-token answers), 'embedded-instruct' (the default phrased for instruct models), 'embedded-add'
     (additions a + b <= 30 + 30 phrased for chat models, for --answer-format last-number), a JSONL, JSON,
     parquet or CSV file, a save_to_disk folder, or a hub dataset (all but JSONL/JSON need `pip install datasets`)"""
     prompt_field: str = ""
@@ -456,7 +460,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     everything = torch.arange(b, device=device)
     on_policy = is_on_policy(args)
     old_logp = ref_logp = None
-    with torch.inference_mode():
+    with torch.inference_mode():  # ALGO: pi_old and the reference policy, fixed for the whole update
         if ro.sampler_logp is not None:  # pi_old as the sampler saw it
             old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
         elif not on_policy:  # pi_old recomputed once, before the first update (on-policy: the ratio is 1 anyway)
@@ -487,12 +491,14 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             scored.append((rows, logp.detach(), entropy_now))
         return total, scored
 
+    # ALGO: epochs x minibatches over the one rollout, one optimizer step per minibatch (PPO's inner loop)
     seen, step_losses, grad_norms, skipped = [], [], [], 0
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
-            total, scored = lifecycle.shrink_on_oom(lambda micro: accumulate(mb, micro), mb_size, args.micro_batch_size,
-                                                 lambda: optimizer.zero_grad(set_to_none=True), world.size)
+            total, scored = lifecycle.shrink_on_oom(  # PLUMBING: micro-batches, halved after an out-of-memory error
+                lambda micro: accumulate(mb, micro), mb_size, args.micro_batch_size,
+                lambda: optimizer.zero_grad(set_to_none=True), world.size)
             total = world.sum([total])[0]  # the whole step's loss: every rank takes the same decision below
             seen += scored
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -504,28 +510,36 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             else:  # a non-finite loss or gradient would poison the weights: skip this update
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
-    # Diagnostics over every row scored during the update (on every rank), each against pi_old: the statistics of
-    # the ratios that the objective actually saw.
+    diag = update_metrics(seen, None if on_policy else old_logp, None if on_policy else entropy, ref_logp, adv, mask,
+                          cfg, world)  # PLUMBING: what the update saw, for the logs
+    return {"losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
+            "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+            "losses/entropy": diag.pop("losses/entropy"), "losses/skipped_updates": skipped, **diag}
+
+
+def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tensor, mask: torch.Tensor,
+                   cfg: LossConfig, world: World = SINGLE) -> dict:
+    """The GSPO paper's diagnostics over every row scored during the update (on every rank), each against pi_old:
+    the statistics of the ratios the objective actually saw. `seen`: (rows, log-probs, entropy or None) per
+    micro-batch; old_logp None means on-policy (the ratio is 1; the entropy is the one scored during the update),
+    else old_entropy is pi_old's over the whole rollout."""
+    on_policy = old_logp is None
     rows = torch.cat([r for r, _, _ in seen])
-    new = torch.cat([lp for _, lp, _ in seen])
+    new = torch.cat([lp for _, lp, _ in seen])  # (n, T)
     old_all = new if on_policy else old_logp[rows]
     entropy_seen = torch.cat([e for _, _, e in seen]) if on_policy else None
     kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
     new, old_all, adv_seen, mask_seen, entropy_seen, kl = world.gather_rows(new, old_all, adv[rows], mask[rows],
                                                                             entropy_seen, kl)
     diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)
-    buckets = losses.length_bucket_stats(new, old_all, mask_seen)
     metrics = {
-        "losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
-        "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
         "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
-        else losses.masked_mean(*world.gather_rows(entropy, mask)),  # pi_old's, over the whole rollout
-        "losses/skipped_updates": skipped,
+        else losses.masked_mean(*world.gather_rows(old_entropy, mask)),  # pi_old's, over the whole rollout
         **{("losses/" + k if k == "approx_kl" else k): v for k, v in diag.items()},
     }
     if kl is not None:
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
-    for q, bucket in enumerate(buckets, 1):
+    for q, bucket in enumerate(losses.length_bucket_stats(new, old_all, mask_seen), 1):
         metrics.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return metrics
 
@@ -535,13 +549,17 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     """One RL step: a rollout, its group advantages, the minibatch updates; returns the batch and its metrics."""
     t0 = time.time()
     policy.eval()
+    # ALGO: G completions per prompt, sampled with generate and scored by the rule-based verifier
     batch, stats = collect_rollout(policy, tokenizer, stream, args, world)
     policy.train()
     t1 = time.time()
+    # ALGO: group-relative advantages, A_i = (r_i - mean_group) [/ std_group]
     reward = torch.tensor(batch.scores["reward"])
     adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,) whole groups: local
+    # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
     metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world)
     t2 = time.time()
+    # PLUMBING: metrics for the logs
     metrics.update(stats)
     metrics.update(rollout_metrics(batch, adv, args.num_generations, world))
     tokens = world.sum([float(batch.ro.lengths.sum())])[0]
@@ -658,20 +676,52 @@ def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, po
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The loop
+# Start-up and the end of a run (plumbing: nothing here changes what is learned)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def train(args: Args) -> dict:
-    args, cfg = resolve(args)
-    run_dir = Path(args.output_dir) / args.run_name
-    # every flag, the run folder and the checkpoint to resume from, before anything is loaded or written
-    resume_from, state = lifecycle.preflight(args, run_dir, ddp.world_size())
-    world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
-    if args.threads:
-        torch.set_num_threads(args.threads)
+@dataclass
+class Run:
+    """What the loop works on, made by start_run: the policy and its optimizer, the data, the logger, and where a
+    resumed run picks up (first_step, the minutes already spent, the held-out metrics before step 1)."""
+    args: Args
+    run_dir: Path
+    world: World
+    policy: object
+    ref_policy: object
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    stream: PromptStream
+    gen: torch.Generator
+    logger: Logger
+    train_set: list
+    test_set: list
+    before: dict
+    first_step: int = 1
+    minutes_before: float = 0.0
+    started: float = 0.0  # wall clock when the loop began
 
-    # Start-up: a failure or Ctrl-C before step 1 removes the run folder this call created, nothing else.
+    def minutes(self) -> float:
+        return self.minutes_before + (time.time() - self.started) / 60
+
+    def save(self, step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
+        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
+        rngs = self.world.gather(rng or checkpoint.rng_state(self.gen))
+        if self.world.main:
+            checkpoint.save(self.run_dir / "checkpoints", step, self.policy, self.tokenizer, {
+                "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
+                "wandb_id": self.logger.run.id, "before": self.before, "minutes": self.minutes(),
+            }, self.args.keep_checkpoints)
+        self.world.barrier()
+        return checkpoint.path_of(self.run_dir / "checkpoints", step)
+
+
+def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, state: dict | None,
+              world: World) -> Run:
+    """Load and check the data and the policy, write config.json, restore a checkpoint, evaluate before step 1.
+    A failure or Ctrl-C in here removes the run folder this call created, nothing else."""
     with lifecycle.Startup(), lifecycle.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
@@ -684,11 +734,11 @@ def train(args: Args) -> dict:
             policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
             flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
-                                        train_set + test_set, args.max_new_tokens, args.answer_format)
+                                       train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
         if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
-            start = load_policy(args)[0] if state else copy.deepcopy(policy)
-            ref_policy = start.eval().requires_grad_(False)
+            ref = load_policy(args)[0] if state else copy.deepcopy(policy)
+            ref_policy = ref.eval().requires_grad_(False)
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()
@@ -726,70 +776,79 @@ def train(args: Args) -> dict:
             before, sample = evaluate(policy, tokenizer, test_set, args, step=0, world=world)
             logger.log(before, step=0)
         print(eval_lines("before", before, None if state else sample, len(test_set)))
+    return Run(args, run_dir, world, policy, ref_policy, tokenizer, optimizer, scheduler, stream, gen, logger,
+               train_set, test_set, before, first_step, minutes_before)
 
-    def save(step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
-        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
-        rngs = world.gather(rng or checkpoint.rng_state(gen))
-        if world.main:
-            checkpoint.save(run_dir / "checkpoints", step, policy, tokenizer, {
-                "step": step, "cursor": stream.cursor if cursor is None else cursor, "config": asdict(args),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng_ranks": rngs,
-                "wandb_id": logger.run.id, "before": before,
-                "minutes": minutes_before + (time.time() - start) / 60,
-            }, args.keep_checkpoints)
-        world.barrier()
-        return checkpoint.path_of(run_dir / "checkpoints", step)
 
-    stop, start, metrics = lifecycle.GracefulStop(), time.time(), before
-    resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
-    failures = lifecycle.StepFailures(save, run_dir, resume_hint, gen, stream, scheduler, world.size)
-    nonfinite = lifecycle.NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
-    nothing_correct = lifecycle.NothingCorrect(args.answer_format, train_set[0].answer)
-    truncated = lifecycle.TruncatedStreak(args.max_new_tokens)
-    try:
-        for step in range(first_step, args.total_steps + 1):
-            with failures(step):
-                _, metrics = rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream, cfg, args, gen, world)
-            metrics["perf/elapsed_min"] = minutes_before + (time.time() - start) / 60
-            evaluated = step % args.eval_every == 0 or step == args.total_steps
-            if evaluated:
-                held_out, sample = evaluate(policy, tokenizer, test_set, args, step, world=world)
-                metrics.update(held_out)
-            logger.log(metrics, step=step)
-            eta = (time.time() - start) / (step - first_step + 1) * (args.total_steps - step)
-            print(console_line(step, args.total_steps, metrics, eta), flush=True)
-            if evaluated:
-                print(eval_lines(f"at step {step}", metrics, sample, len(test_set)), flush=True)
-            nonfinite.check(step, metrics["losses/skipped_updates"])
-            nothing_correct.check(metrics["charts/accuracy"])
-            truncated.check(metrics["charts/truncated_frac"])
-            stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
-            if (args.save_every and step % args.save_every == 0) or stopping:
-                path = save(step)
-            if stopping:
-                print(f"stopped by {stop.signal or 'a signal to another rank'} after step {step}; saved {path}; "
-                      f"{resume_hint}")
-                logger.finish()
-                return {"stopped_at": step, "checkpoint": str(path)}
-    except BaseException:
-        logger.finish()
-        raise
-    finally:
-        stop.restore()
-    minutes = minutes_before + (time.time() - start) / 60
+def finish_run(run: Run, metrics: dict) -> dict:
+    """Print the before -> after line, save the final policy, write summary.json (last: it marks the run finished)."""
+    args, before, minutes = run.args, run.before, run.minutes()
     summary = {"algo": args.algo, "seed": args.seed, "steps": args.total_steps,
                "accuracy_before": before["eval/accuracy"], "accuracy_after": metrics["eval/accuracy"],
                "rl_minutes": minutes}
     print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
-    if world.main:
+    if run.world.main:
         if args.save_model:
-            policy.save_pretrained(run_dir / "final")
-            tokenizer.save_pretrained(run_dir / "final")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: it marks the run finished
-    logger.finish()
-    world.barrier()
+            run.policy.save_pretrained(run.run_dir / "final")
+            run.tokenizer.save_pretrained(run.run_dir / "final")
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.logger.finish()
+    run.world.barrier()
     return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train(args: Args) -> dict:
+    args, cfg = resolve(args)  # PLUMBING: the --algo preset fills every objective flag not given
+    run_dir = Path(args.output_dir) / args.run_name
+    # every flag, the run folder and the checkpoint to resume from, before anything is loaded or written
+    resume_from, state = lifecycle.preflight(args, run_dir, ddp.world_size())
+    world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = start_run(args, cfg, run_dir, resume_from, state, world)  # data, policy, optimizer, the first evaluation
+
+    stop, metrics, run.started = lifecycle.GracefulStop(), run.before, time.time()
+    resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
+    failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler, world.size)
+    watch = lifecycle.Watch(args, run.train_set[0].answer)  # non-finite streaks stop the run; others warn once
+    try:
+        for step in range(run.first_step, args.total_steps + 1):
+            # ALGO: one RL step: G samples per prompt, verifier rewards, group advantages, the minibatch updates
+            with failures(step):
+                _, metrics = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
+                                     run.stream, cfg, args, run.gen, world)
+            # PLUMBING: evaluation, logging, checkpoints, signals
+            metrics["perf/elapsed_min"] = run.minutes()
+            evaluated = step % args.eval_every == 0 or step == args.total_steps
+            if evaluated:
+                held_out, sample = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world=world)
+                metrics.update(held_out)
+            run.logger.log(metrics, step=step)
+            eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)
+            print(console_line(step, args.total_steps, metrics, eta), flush=True)
+            if evaluated:
+                print(eval_lines(f"at step {step}", metrics, sample, len(run.test_set)), flush=True)
+            watch.check(step, metrics)
+            stopping = world.any(stop.signal is not None)  # a signal to any rank stops them all after this step
+            if (args.save_every and step % args.save_every == 0) or stopping:
+                path = run.save(step)
+            if stopping:
+                print(f"stopped by {stop.signal or 'a signal to another rank'} after step {step}; saved {path}; "
+                      f"{resume_hint}")
+                run.logger.finish()
+                return {"stopped_at": step, "checkpoint": str(path)}
+    except BaseException:
+        run.logger.finish()
+        raise
+    finally:
+        stop.restore()
+    return finish_run(run, metrics)
 
 
 def help_defaults() -> dict[str, str]:

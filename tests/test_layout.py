@@ -132,3 +132,15 @@ def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
     assert name(model="./SmolLM2-135M-Instruct.Q4_1.gguf") == "gspo-SmolLM2-135M-Instruct.Q4_1-s0"
     assert name(model="./my-checkpoint/", dataset="embedded-long") == "gspo-my-checkpoint-embedded-long-s0"
     assert name(procs=2, dataset="openai/gsm8k", dataset_config="main") == "gspo-gsm8k-main-np2-s0"
+
+
+def test_documented_answer_lengths_are_the_tasks():
+    """The tasks' answer lengths have one home (task.py); the docs quote them and are checked here."""
+    import task
+
+    for long, old in ((False, "10-55"), (True, "20-300")):
+        lens = [task.completion_tokens(task.solve(p)) for p in task.split(False, long) + task.split(True, long)]
+        quoted = f"{min(lens)}-{max(lens)} tokens"
+        assert quoted in (ROOT / "README.md").read_text(), quoted
+        for f in ["README.md", "train.py", "study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
+            assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
