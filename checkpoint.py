@@ -1,7 +1,7 @@
 """Checkpoints: atomic saves, the last K kept, and what an exact resume needs.
 
 A checkpoint is a folder <run>/checkpoints/step-NNNNNN/ holding
-    model/      the policy and tokenizer (save_pretrained)
+    model/      the policy (or, under LoRA, its adapter) and tokenizer (save_pretrained)
     state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator) of every
                 rank, the step, the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
 It is written under a temporary name and renamed into place, so a kill mid-save leaves the previous checkpoint
@@ -27,7 +27,8 @@ from errors import UserError
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
-            "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples"}
+            "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples",
+            "merge_lora", "gradient_checkpointing"}
 
 
 class CheckpointError(UserError, ValueError):
@@ -104,7 +105,8 @@ def earlier_hint(path: Path) -> str:
 def load_state(path: Path) -> dict:
     """state.pt of a checkpoint, with a one-line error for a missing, truncated or corrupt file."""
     hint = earlier_hint(path)
-    if not (path / "state.pt").is_file() or not (path / "model" / "config.json").is_file():
+    model = path / "model"  # a whole model (config.json) or, under LoRA, its adapter (adapter_config.json)
+    if not (path / "state.pt").is_file() or not any((model / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise CheckpointError(f"{path} is not a complete checkpoint (state.pt or model/ missing); {hint}")
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)

@@ -12,6 +12,7 @@ The first wrong value is one ConfigError (errors.py): one line, exit code 2.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import math
 import os
@@ -80,6 +81,15 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: not a.output_dir.strip(), "--output-dir must name a folder (got {output_dir!r}); the default is runs"),
     (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
     (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
+    (lambda a: a.lora_rank < 0, "--lora-rank must be >= 0 (got {lora_rank}); 0 trains every weight"),
+    (lambda a: a.lora_rank and not a.lora_alpha > 0, "--lora-alpha must be > 0 (got {lora_alpha}); the default is "
+                                                      "2 x --lora-rank"),
+    (lambda a: a.lora_rank and not a.lora_target_modules, "--lora-target-modules must name at least one module "
+                                                          "(e.g. q_proj v_proj)"),
+    (lambda a: a.merge_lora and not a.lora_rank, "--merge-lora merges a LoRA adapter into the base: it needs "
+                                                 "--lora-rank > 0"),
+    (lambda a: a.lora_rank and importlib.util.find_spec("peft") is None,
+     "--lora-rank needs the peft package: pip install peft (or --lora-rank 0 for a full fine-tune)"),
 ]
 
 

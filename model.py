@@ -141,6 +141,62 @@ def is_checkpointing(model) -> bool:
                 else model.is_gradient_checkpointing)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA (peft): train low-rank adapters only; the reference policy is the same model with the adapter off
+# ---------------------------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention and MLP
+
+
+def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapter: Path | None = None, seed: int = 0):
+    """The policy as a peft model: W x + (alpha / rank) B A x on each target projection, A random (drawn from
+    `seed`, on every rank alike, whatever the global RNG holds) and B = 0 at the start, so the policy starts equal to
+    the base model; only A and B train. `adapter`: a saved adapter to continue from (a checkpoint). Dropout stays 0:
+    the update's log-probs must equal pi_old's at the first step."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise ModelError("--lora-rank needs the peft package: pip install peft")
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not set(targets) & present:
+        raise ModelError(f"--lora-target-modules {' '.join(targets)}: none is a module of this model; its linear "
+                         f"layers include {', '.join(sorted(n for n in present if n.endswith('proj'))[:8]) or 'none'}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(set(targets) & present),
+                        bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class AdapterOff:
+    """The reference policy of a LoRA run: the same model called with its adapter switched off, i.e. the starting
+    policy, with no second copy of the weights in memory (TRL does the same)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(**kwargs)
+
+
+def save_final(model, tokenizer, folder: Path, merge: bool) -> None:
+    """The final policy: the whole model, or under LoRA its adapter, and with `merge` also the base with the
+    adapter merged in (folder/merged, a plain model that --model loads)."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if merge and is_lora(model):
+        merged = model.merge_and_unload()
+        merged.save_pretrained(folder / "merged")
+        tokenizer.save_pretrained(folder / "merged")
+
+
 def prepare(model, tokenizer, device: torch.device):
     """Left padding for generation, a pad token, and an EOS the verifier can rely on."""
     if tokenizer.eos_token_id is None:

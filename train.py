@@ -116,6 +116,15 @@ class Args:
     """recompute activations in the backward pass instead of keeping them (transformers' own, non-reentrant): less
     memory for long completions at the cost of a second forward per layer; the same loss and gradient. Acts in the
     update only"""
+    lora_rank: int = 0
+    """LoRA rank r: train only low-rank adapters on --lora-target-modules (needs `pip install peft`); the reference
+    policy of β > 0 is then the same model with its adapter off, not a second copy. 0: train every weight"""
+    lora_alpha: float | None = None
+    """LoRA scale α: each adapted layer adds (α / r) B A x"""
+    lora_target_modules: tuple[str, ...] = models.LORA_TARGETS
+    """the projections that get adapters (by module name)"""
+    merge_lora: bool = False
+    """with --lora-rank: also save the base with the adapter merged in (final/merged/, a plain model --model loads)"""
     lr: float = 5e-5
     """AdamW learning rate"""
     lr_scheduler: str = "constant_with_warmup"
@@ -222,6 +231,7 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
         args, **filled,
         dynamic_sampling=is_dapo if args.dynamic_sampling is None else args.dynamic_sampling,
         overlong_weight=(1.0 if is_dapo else 0.0) if args.overlong_weight is None else args.overlong_weight,
+        lora_alpha=2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha,
         run_name=args.run_name or default_run_name(args),
         **{k: v if getattr(args, k) is None else getattr(args, k)
            for k, v in dataset_defaults(args.dataset, args.model).items()},
@@ -731,12 +741,17 @@ def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | No
             if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
                 flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
-            policy, tokenizer = load_policy(args, resume_from / "model" if state else None)
+            policy, tokenizer = load_policy(args, resume_from / "model" if state and not args.lora_rank else None)
+            if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
+                policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                         adapter=resume_from / "model" if state else None, seed=args.seed)
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
             flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
                                        train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
-        if cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), for the KL term
+        if cfg.beta > 0 and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
+            ref_policy = models.AdapterOff(policy)
+        elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint)
             ref = load_policy(args)[0] if state else copy.deepcopy(policy)
             ref_policy = ref.eval().requires_grad_(False)
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
@@ -748,7 +763,8 @@ def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | No
             models.enable_checkpointing(policy)
         seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
         world.wrap(policy)  # under torchrun: DistributedDataParallel (it checks every rank holds the same weights)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
+        optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
         optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
         scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                   num_training_steps=optimizer_steps)
@@ -789,9 +805,8 @@ def finish_run(run: Run, metrics: dict) -> dict:
     print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
     if run.world.main:
-        if args.save_model:
-            run.policy.save_pretrained(run.run_dir / "final")
-            run.tokenizer.save_pretrained(run.run_dir / "final")
+        if args.save_model:  # the policy, or its LoRA adapter (and with --merge-lora the merged model)
+            models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora)
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.logger.finish()
     run.world.barrier()
@@ -862,6 +877,7 @@ def help_defaults() -> dict[str, str]:
     return {**{f: per_algo(f) for f in OBJECTIVE_FIELDS}, **{f: per_dataset(f) for f in DATASET_DEFAULTS["*"]},
             "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",
             "overlong_weight": "(default from --algo: 1 for dapo, 0 for the others)",
+            "lora_alpha": "(default: 2 x --lora-rank)",
             "run_name": "(default: <algo>[-<model>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
             "resume": "(default: start a new run)", "wandb_group": "(default: none)"}

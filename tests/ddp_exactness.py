@@ -27,11 +27,12 @@ import losses  # noqa: E402
 import train  # noqa: E402
 
 DTYPE = torch.float64
-CASES = {  # name: (micro-batch size, epochs, groups split by length?)
-    "equal": (0, 1, False),  # groups in their drawn order
-    "unequal": (0, 1, True),  # rank 0 holds the short completions, rank 1 the long: token counts differ per rank
-    "micro": (2, 1, True),  # the same, in micro-batches of 2 rows (gradient accumulation inside DDP)
-    "two-epochs": (0, 2, True),  # a second optimizer step on the moved policy: ratios != 1, clipping active
+CASES = {  # name: (micro-batch size, epochs, groups split by length?, LoRA rank)
+    "equal": (0, 1, False, 0),  # groups in their drawn order
+    "unequal": (0, 1, True, 0),  # rank 0 holds the short completions, rank 1 the long: token counts differ per rank
+    "micro": (2, 1, True, 0),  # the same, in micro-batches of 2 rows (gradient accumulation inside DDP)
+    "two-epochs": (0, 2, True, 0),  # a second optimizer step on the moved policy: ratios != 1, clipping active
+    "lora": (2, 2, True, 4),  # LoRA adapters only (GRPO's β > 0: the reference is the base, adapter off)
 }
 
 
@@ -54,7 +55,8 @@ def one_update(policy, batch, adv, cfg, args, world):
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     before = [p.detach().clone() for p in policy.parameters()]
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.beta > 0 else None
+    ref = None if cfg.beta == 0 else train.models.AdapterOff(policy) if train.models.is_lora(policy) else \
+        copy.deepcopy(policy).eval().requires_grad_(False)
     world.wrap(policy)
     train.update(policy, ref, optimizer, scheduler, batch, adv, cfg, args, torch.Generator().manual_seed(0), world)
     world.ddp_model = None
@@ -67,11 +69,13 @@ def main(model_dir: str, out: str, dtype: str = "float64") -> None:
     world = ddp.setup("cpu")
     results = {}
     for algo in ("grpo", "dr_grpo", "dapo", "gspo"):
-        for case, (micro, epochs, by_length) in CASES.items():
+        for case, (micro, epochs, by_length, lora) in CASES.items():
             args, cfg = train.resolve(train.Args(model=model_dir, algo=algo, num_prompts=8, num_generations=4,
                                                  num_minibatches=1, num_epochs=epochs, micro_batch_size=micro,
                                                  max_grad_norm=1e9, old_logprobs="recompute"))
             policy, tokenizer = train.load_policy(args)
+            if lora:
+                policy = train.models.add_lora(policy, lora, 2.0 * lora, train.models.LORA_TARGETS, seed=0)
             torch.manual_seed(1)  # the same rollout on every rank
             examples = train.load_data(args)[0][:args.num_prompts]
             batch = train.sample_batch(policy.eval(), tokenizer, examples, args)

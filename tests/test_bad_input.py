@@ -78,6 +78,12 @@ FLAGS = [
     (["--run-name", " "], "must be a plain folder name"),
     (["--model", ""], "--model must not be empty"),
     (["--dataset", ""], "--dataset must not be empty"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
+    (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a finite number"),
+    (["--lora-rank", "4", "--lora-target-modules"], "--lora-target-modules must name at least one module"),
+    (["--merge-lora"], "--merge-lora merges a LoRA adapter into the base: it needs --lora-rank > 0"),
+    (["--lora-rank", "4", "--lora-target-modules", "c_attn"], "--lora-target-modules c_attn: none is a module"),
     (["--wandb-mode", "online"], "wandb online needs a login"),
     (["--total-steps", "-5"], "--total-steps must be at least 1"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
@@ -504,3 +510,13 @@ def test_user_errors_are_what_main_turns_into_one_line():
     for cls in (errors.ConfigError, errors.Interrupted, errors.NonFiniteError, errors.OutOfMemory,
                 errors.DynamicSamplingError, checkpoint.CheckpointError, model.ModelError, task.TaskError):
         assert issubclass(cls, errors.UserError), cls
+
+
+def test_lora_without_peft_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--lora-rank", "4"] + SMALL, capsys, out,
+            "--lora-rank needs the peft package: pip install peft")

@@ -47,7 +47,7 @@ def final_weights(run_dir: Path) -> dict:
 
 
 def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
-    """All four presets, equal and unequal completion lengths per rank, micro-batches, two epochs: the parameter
+    """All four presets, equal and unequal completion lengths per rank, micro-batches, two epochs, LoRA: the parameter
     change of a 2-rank update equals the 1-process update on the union (float64: the split's arithmetic, not fp32
     rounding). The same comparison with per-rank normalisers shows what the check would catch: DAPO's token-mean
     moves by 10-50%, while the sequence-mean objectives, with equal rows per rank, do not need the global count."""
@@ -55,7 +55,7 @@ def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
     code, _, err = finish(torchrun(2, "tests/ddp_exactness.py", [str(tiny_policy_dir), str(out)]))
     assert code == 0, err[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 16
+    assert len(results) == 20  # 4 presets x 5 cases (one with LoRA)
     for name, r in results.items():
         assert r["rel_diff"] < 1e-6, (name, r)
         assert r["delta_norm"] > 0, name  # the update moved something

@@ -140,7 +140,8 @@ def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, 
 
 
 def final_weights(run_dir: Path) -> dict:
-    return load_file(run_dir / "final" / "model.safetensors")
+    lora = run_dir / "final" / "adapter_model.safetensors"  # a LoRA run saves its adapter only
+    return load_file(lora if lora.is_file() else run_dir / "final" / "model.safetensors")
 
 
 def metrics_without_timing(run_dir: Path) -> list[dict]:
@@ -197,9 +198,10 @@ def spawn(argv, out_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir, lora):
     argv = ["--model", str(tiny_policy_dir), "--total-steps", "24", "--save-every", "2", "--algo", "dapo",
-            "--max-sampling-rounds", "30"] + SMALL
+            "--max-sampling-rounds", "30"] + SMALL + lora
     reference = spawn(argv, tmp_path / "ref")
     victim = spawn(argv, tmp_path / "kill")
     ckpts = tmp_path / "kill" / "dapo-s0" / "checkpoints"

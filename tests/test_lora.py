@@ -1,0 +1,89 @@
+"""LoRA through peft: the policy starts equal to the base, the reference policy is the base (adapter off, no second
+copy), only the adapter trains, the final folder holds the adapter and a merged model that --model loads."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import losses
+import model as models
+import rollout
+import train
+
+from conftest import SMALL_ARGS  # noqa: E402
+
+
+
+def scored_batch(policy, tokenizer, n=6):
+    """A fixed batch of prompt + sampled completion rows, and its completion length."""
+    args, _ = train.resolve(train.Args(num_prompts=2, num_generations=3, max_new_tokens=16))
+    torch.manual_seed(0)
+    examples = train.load_data(args)[0][:2]
+    ro = train.sample_batch(policy.eval(), tokenizer, examples, args).ro
+    return ro.input_ids[:n], ro.attention_mask[:n], ro.completion_ids.shape[1], ro.completion_mask[:n].float()
+
+
+def logprobs(model, batch):
+    ids, attn, t, _ = batch
+    with torch.no_grad():
+        return rollout.completion_logprobs(model, ids, attn, t)
+
+
+def test_lora_starts_as_the_base_and_its_reference_is_the_base(tiny_policy_dir):
+    base, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    batch = scored_batch(base, tok)
+    before = logprobs(base, batch)
+    torch.manual_seed(1)
+    policy = models.add_lora(base, rank=4, alpha=8.0, targets=models.LORA_TARGETS)
+    ref = models.AdapterOff(policy)
+    assert torch.equal(logprobs(policy, batch), before)  # B = 0: W x + 0 is W x, to the bit
+    mask = batch[3]
+    assert losses.masked_mean(losses.k3_kl(logprobs(policy, batch), logprobs(ref, batch)), mask) == 0.0
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)  # only the adapter trains
+    with torch.no_grad():  # move the adapter: the policy changes, the reference stays the base exactly
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    assert not torch.allclose(logprobs(policy, batch), before)
+    assert torch.equal(logprobs(ref, batch), before)
+    assert losses.masked_mean(losses.k3_kl(logprobs(policy, batch), logprobs(ref, batch)), mask) > 0
+
+
+def test_a_lora_run_saves_its_adapter_and_a_merged_model_that_loads(tmp_path, tiny_policy_dir):
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
+                         "total_steps": 2, "lora_rank": 4, "merge_lora": True})
+    train.train(args)
+    final = tmp_path / "grpo-s0" / "final"
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the adapter learned something
+    assert not (final / "model.safetensors").exists()  # no full copy next to the adapter
+    config = json.loads((tmp_path / "grpo-s0" / "config.json").read_text())
+    assert config["lora_rank"] == 4 and config["lora_alpha"] == 8.0  # α defaults to 2r
+    rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()]
+    assert all(r["losses/kl_ref"] >= 0 for r in rows[1:])  # β 0.04: the KL to the base, adapter off
+
+    base, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    batch = scored_batch(base, tok)
+    peft_policy = models.add_lora(base, 4, 8.0, models.LORA_TARGETS, adapter=final)
+    merged, _ = models.load_model(str(final / "merged"), torch.device("cpu"), torch.float32)  # what --model loads
+    a, b = logprobs(peft_policy, batch), logprobs(merged, batch)
+    assert torch.allclose(a, b, atol=1e-4) and not torch.equal(a, logprobs(models.AdapterOff(peft_policy), batch))
+
+
+def test_lora_resume_continues_exactly(tmp_path, tiny_policy_dir):
+    common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "algo": "grpo", "lora_rank": 4, "save_every": 2}
+    train.train(train.Args(**common, output_dir=str(tmp_path / "a"), total_steps=4))
+    train.train(train.Args(**common, output_dir=str(tmp_path / "b"), total_steps=2))
+    (tmp_path / "b" / "grpo-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint
+    assert (tmp_path / "b" / "grpo-s0" / "checkpoints" / "step-000002" / "model" / "adapter_model.safetensors").is_file()
+    train.train(train.Args(**common, output_dir=str(tmp_path / "b"), total_steps=4, resume="auto"))
+    a, b = tmp_path / "a" / "grpo-s0", tmp_path / "b" / "grpo-s0"
+    wa, wb = load_file(a / "final" / "adapter_model.safetensors"), load_file(b / "final" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    strip = lambda run: [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}  # noqa: E731
+                         for line in (run / "metrics.jsonl").open()]
+    assert strip(a) == strip(b)
