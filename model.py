@@ -157,6 +157,9 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapter: 
         from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError:
         raise ModelError("--lora-rank needs the peft package: pip install peft")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")  # peft asks the old name
     if adapter is not None:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
