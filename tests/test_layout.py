@@ -80,6 +80,24 @@ def test_readme_objectives_table_matches_the_presets():
             assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
 
 
+def test_losses_docstring_table_matches_the_presets():
+    """losses.py's own table (read next to the papers) restates the presets too: level, ε, aggregation, β."""
+    import losses
+
+    rows = {}
+    for line in losses.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] in losses.PRESETS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(losses.PRESETS)
+    for name, cfg in losses.PRESETS.items():
+        _, level, eps, _, agg, beta, *_ = rows[name]
+        assert cfg.importance_sampling_level == level and cfg.loss_agg_mode == agg and float(beta) == cfg.beta, name
+        if cfg.surrogate != "sapo":
+            low, high = (float(x.split()[0]) for x in eps.split(" / "))
+            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
+
+
 def documented_train_commands() -> list[tuple[str, list[str], int]]:
     """(where, train.py's argv, processes) for every `python train.py` / `torchrun ... train.py` line in a ```bash
     block of the README and the docs it links, in reading order."""

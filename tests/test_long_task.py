@@ -76,7 +76,7 @@ def test_defaults_follow_the_dataset():
 
 @pytest.mark.slow
 def test_warm_start_lands_in_the_accuracy_window():
-    """The real long-task warm start (built once, ~3 min on 2 cores; cached): greedy held-out accuracy between 15%
+    """The real long-task warm start (built once, ~3.6 min on 2 cores; cached): greedy held-out accuracy between 15%
     and 50%, and sampled groups with mixed correctness, so RL has something to fix and a signal to fix it with."""
     path = models.warm_start(seed=0, settings=models.WARM_START_LONG, quiet=True)
     args, _ = train.resolve(train.Args(dataset="embedded-long", model=str(path)))
