@@ -35,7 +35,7 @@ The verdict rule, for every claim (written before the runs were read; CLAIMS hol
     inconclusive    neither; the report gives the smallest effect this n detects with 80% power,
                     MDE = (t_0.975 + t_0.80) * sd / sqrt(n)
     A claim of "as well as" is judged against a non-inferiority margin m: reproduced when lo > -m, contradicted when
-    hi < -m, else inconclusive.
+    hi < -m, else inconclusive. A claim whose arms (or whose manipulation check's arms) have no runs yet is "not run".
 The report (verdicts, one figure per claim, every run in runs.csv) goes to docs/study/; the per-step data it is built
 from is committed in docs/study/data/ (one gzipped JSONL per run).
 """
@@ -397,7 +397,8 @@ def judge(runs: list[dict]) -> list[dict]:
         rows.append({"key": key, "claim": c.title, "quantity": c.quantity, "contrast": c.contrast,
                      "predicted": c.predicted, "margin": c.margin, "estimate": est, "check": check_text,
                      "check_value": check_value, "exercised": passed,
-                     "verdict": verdict(est, c.predicted, passed, c.margin), "extra": extra})
+                     "verdict": "not run" if isinstance(check_value, float) and math.isnan(check_value)  # the
+                     else verdict(est, c.predicted, passed, c.margin), "extra": extra})  # check's arms have no runs
 
     # 1. per regime: the exponent, per seed averaged over the arms the regime ran at every one of its seeds (the
     # same arms in each seed's mean; the runs of a seed share a warm start, so the seed is the unit)
