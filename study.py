@@ -85,15 +85,15 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
 # seed: (0) the arms claims 1-5's main verdicts rest on; (1) claim 3 at β = 0.04, seeds 0-2; (2) the successors
 # (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, to seed 4, and base (claim 6a and the staleness
-# check) to seed 1; (3) base
+# check) at seed 0; (3) base
 # Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late seeds: base GSPO from
 # its 4th (claim 2's clip ratio is two orders of magnitude, clear at 3 seeds), claim 3 at β = 0.04 from its 4th, the
-# successors' base arms from their 3rd, and claim 5's DAPO arms from their 2nd (a DAPO run takes ~18 min, and its
+# successors' base arms from their 2nd, and claim 5's DAPO arms from their 2nd (a DAPO run takes ~18 min, and its
 # manipulation check fails in stale16 and in every probed regime, so more seeds cannot change the verdict).
 TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 3,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
 LATER = {("base", "gspo"): 3, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
-         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, **{("base", a): 2 for a in ("cispo", "sapo", "gmpo")}}
+         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, **{("base", a): 1 for a in ("cispo", "sapo", "gmpo")}}
 SEEDS = (0, 1, 2, 3, 4)
 
 
