@@ -680,7 +680,8 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         axes[1].axhline(COLLAPSE_DROP, color="gray", ls=":", lw=1)
         axes[1].set_xticks(range(len(shown)), [ARM_LABELS[a] for a in shown], fontsize=8)
         axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
-        axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points")
+        axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points",
+                    ylim=(-0.05, 1.0))  # a drop lies in [0, 1]: a wide small-n interval is cut there, not the axis
         legend_below(fig, axes[:1])
         figs[name] = (save(fig, out / f"{name}.png") and points, caption)
 
