@@ -429,21 +429,26 @@ def judge(runs: list[dict]) -> list[dict]:
         f"GSPO clips more in {sum(more)} of {len(more)} seeds", bool(more) and all(more),
         f"final accuracy GSPO {level(acc['gspo'].values())}, GRPO {level(acc['grpo-b0'].values())}")
 
-    # 3. stale16, matched β: the drop from peak, with staleness checked against base
-    stale_x = {a: mean_of(abs_log("stale16", s)) / mean_of(abs_log("base", b))
-               for a, s, b in (("grpo", "grpo-b0", "grpo-b0"), ("gspo", "gspo", "gspo"))}
-    stale_ok = all(x >= MANIPULATION["stale_x"] for x in stale_x.values())
-    stale_text = "mean |log ρ_t| stale16 / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in stale_x.items())
+    # 3, 6b, 7, 8. stale16: the drop from peak, each arm's staleness checked against its own base runs
+    def stale_x(arm):
+        return mean_of(abs_log("stale16", arm)) / mean_of(abs_log("base", arm))
+
+    def beside(new, old):
+        """The drop of each arm per seed, and the text beside the verdict: drops, collapses, final accuracy."""
+        drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (new, old)}
+        fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (new, old)}
+        n = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
+             for a in (new, old)}
+        return (f"stale16 drop {ARM_LABELS[new]} {level(drop[new].values())}, {ARM_LABELS[old]} "
+                f"{level(drop[old].values())}; collapsed (20 points below peak) {n[new][0]}/{n[new][1]} vs "
+                f"{n[old][0]}/{n[old][1]}; final accuracy {new} - {old} {fmt_est(paired(fin[new], fin[old]))}"), drop
+
+    stale = {"grpo": stale_x("grpo-b0"), "gspo": stale_x("gspo")}  # claim 3's check: both algorithms' β = 0 arms
+    stale_text = "mean |log ρ_t| stale16 / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in stale.items())
     for key, grpo_arm, gspo_arm in (("3-b0", "grpo-b0", "gspo"), ("3-b0.04", "grpo", "gspo-b0.04")):
-        drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (grpo_arm, gspo_arm)}
-        fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (grpo_arm, gspo_arm)}
-        counts = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
-                  for a in (grpo_arm, gspo_arm)}
-        add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale_x.values()), stale_text, stale_ok,
-            f"drop GRPO {level(drop[grpo_arm].values())}, GSPO {level(drop[gspo_arm].values())}; "
-            f"collapsed (20 points below peak) GRPO {counts[grpo_arm][0]}/{counts[grpo_arm][1]}, GSPO "
-            f"{counts[gspo_arm][0]}/{counts[gspo_arm][1]}; final accuracy GSPO - GRPO "
-            f"{fmt_est(paired(fin[gspo_arm], fin[grpo_arm]))}")
+        text, drop = beside(gspo_arm, grpo_arm)
+        add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale.values()), stale_text,
+            all(x >= MANIPULATION["stale_x"] for x in stale.values()), text)
 
     # 4. base, aggregation only; the std scaling reported beside it
     rel = {a: by_seed(runs, "base", a, lambda r: drift(r, "charts/len_incorrect_rel"))
@@ -474,20 +479,11 @@ def judge(runs: list[dict]) -> list[dict]:
 
     # 6-8. the successors at their presets (β = 0), against the β = 0 arms
     def staleness(arm):
-        x = mean_of(abs_log("stale16", arm)) / mean_of(abs_log("base", arm))
+        x = stale_x(arm)
         return x, f"mean |log ρ_t| stale16 / base: {arm} {x:.1f}x", x >= MANIPULATION["stale_x"]
 
-    def beside(new, old):
-        drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (new, old)}
-        fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (new, old)}
-        n = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
-             for a in (new, old)}
-        return (f"stale16 drop {ARM_LABELS[new]} {level(drop[new].values())}, {ARM_LABELS[old]} "
-                f"{level(drop[old].values())}; collapsed {n[new][0]}/{n[new][1]} vs {n[old][0]}/{n[old][1]}; final "
-                f"accuracy {new} - {old} {fmt_est(paired(fin[new], fin[old]))}"), drop
-
     acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("cispo", "gspo", "grpo-b0")}
-    drops = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/shadow_grpo")) for a in ("cispo",)}["cispo"]
+    drops = by_seed(runs, "base", "cispo", lambda r: run_mean(r, "clip/shadow_grpo"))  # what PPO's clip would drop
     add("6-cispo-learn", paired(acc["cispo"], acc["gspo"]), mean_of(drops),
         f"GRPO's clip would drop {mean_of(drops):.2g} of CISPO's tokens (> 0 in {sum(v > 0 for v in drops.values())} "
         f"of {len(drops)} seeds)", bool(drops) and all(v > 0 for v in drops.values()),

@@ -247,14 +247,14 @@ def default_run_name(args: Args) -> str:
     parts = [args.algo]
     model = Path(args.model.rstrip("/")).name.removesuffix(".gguf")
     if args.model != "embedded" and not model.startswith("warm-start-"):
-        parts.append(re.sub(r"[^A-Za-z0-9_.-]+", "-", model))
+        parts.append(model)
     if args.dataset != "embedded":
         name = Path(args.dataset.rstrip("/")).name
         name = name.split(".")[0] if Path(args.dataset).suffix else name  # data/gsm8k.jsonl -> gsm8k
-        parts.append(re.sub(r"[^A-Za-z0-9_.-]+", "-", name + (f"-{args.dataset_config}" if args.dataset_config else "")))
+        parts.append(name + (f"-{args.dataset_config}" if args.dataset_config else ""))
     if ddp.world_size() > 1:
         parts.append(f"np{ddp.world_size()}")
-    return "-".join(parts + [f"s{args.seed}"])
+    return "-".join([re.sub(r"[^A-Za-z0-9_.-]+", "-", p) for p in parts] + [f"s{args.seed}"])
 
 
 def seed_everything(seed: int) -> None:

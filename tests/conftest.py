@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -18,6 +19,20 @@ TINY = dict(version=1, steps=150, batch_size=32, lr=3e-3, slip_prob=0.5, hidden=
 SMALL_ARGS = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, eval_every=2, eval_size=8,
                   lr=1e-3, warmup_steps=0, wandb_mode="disabled")
 SMALL = [x for k, v in SMALL_ARGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]  # the same as flags
+
+
+def metrics_without_timing(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl rows without the perf/ (wall-clock) keys: what two equal runs must agree on."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run_dir / "metrics.jsonl").open()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The tensors a run saved in final/: the whole model, or a LoRA run's adapter."""
+    from safetensors.torch import load_file
+
+    lora = run_dir / "final" / "adapter_model.safetensors"
+    return load_file(lora if lora.is_file() else run_dir / "final" / "model.safetensors")
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import checkpoint
+from conftest import final_weights, metrics_without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
@@ -35,15 +35,6 @@ def torchrun(n: int, script: str, argv: list[str], **kw) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
-            for line in (run_dir / "metrics.jsonl").open()]
-
-
-def final_weights(run_dir: Path) -> dict:
-    return load_file(run_dir / "final" / "model.safetensors")
 
 
 def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
@@ -74,7 +65,7 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     assert code == 0, err[-3000:]
     assert "2 processes" in out and out.count("held-out accuracy before") == 1  # rank 0 speaks for all
     run = tmp_path / "two" / "dapo-np2-s0"
-    rows = metrics(run)
+    rows = metrics_without_timing(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert any(r["dynamic/drawn"] > 4 for r in rows[1:])  # extra rounds happened, in step on both ranks
     assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
@@ -82,7 +73,7 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
                           "--total-steps", "1", *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert one.returncode == 0, one.stderr[-2000:]
-    first = metrics(tmp_path / "one" / "dapo-s0")[0]
+    first = metrics_without_timing(tmp_path / "one" / "dapo-s0")[0]
     assert first["eval/accuracy"] == rows[0]["eval/accuracy"]  # the same greedy answers, counted on two ranks
     assert first["eval/reward"] == pytest.approx(rows[0]["eval/reward"], rel=1e-12)  # summed in another order
 
@@ -97,7 +88,8 @@ def test_one_process_under_torchrun_is_the_plain_run(tmp_path, tiny_policy_dir):
     plain = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "plain")], cwd=ROOT,
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert plain.returncode == 0, plain.stderr[-2000:]
-    assert metrics(tmp_path / "torchrun" / "dapo-s0") == metrics(tmp_path / "plain" / "dapo-s0")
+    assert metrics_without_timing(tmp_path / "torchrun" / "dapo-s0") == \
+        metrics_without_timing(tmp_path / "plain" / "dapo-s0")
 
 
 def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
@@ -121,7 +113,7 @@ def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, ti
     ref, kill = tmp_path / "ref" / "grpo-np2-s0", tmp_path / "kill" / "grpo-np2-s0"
     wa, wb = final_weights(ref), final_weights(kill)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert metrics(ref) == metrics(kill)
+    assert metrics_without_timing(ref) == metrics_without_timing(kill)
     # the checkpoint holds both ranks' RNG streams: one process cannot continue it exactly, and says so
     one = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "kill"), "--resume",
                           str(checkpoint.all_checkpoints(kill / "checkpoints")[-1]), "--run-name", "again"],

@@ -13,7 +13,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
 
 import checkpoint
 import lifecycle
@@ -23,7 +22,7 @@ import train
 from losses import PRESETS, StepNorm
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import SMALL  # noqa: E402  the shared small run, as flags
+from conftest import SMALL, final_weights, metrics_without_timing  # noqa: E402  the shared small run, as flags
 
 
 def cli(argv, capsys):
@@ -137,16 +136,6 @@ def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, 
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def final_weights(run_dir: Path) -> dict:
-    lora = run_dir / "final" / "adapter_model.safetensors"  # a LoRA run saves its adapter only
-    return load_file(lora if lora.is_file() else run_dir / "final" / "model.safetensors")
-
-
-def metrics_without_timing(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, tiny_policy_dir):
