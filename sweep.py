@@ -2,19 +2,22 @@
 
     python sweep.py                                    # 4 algorithms x 3 seeds, defaults, 2 runs at a time
     python sweep.py --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
-    python sweep.py --report-only --name default       # rebuild the report from finished runs
+    python sweep.py --report-only --name default       # rebuild the report from the sweep's packed data
+    python sweep.py --report-only --report-dir docs/sweep  # the committed 4 x 3 sweep, from docs/sweep/data/
     python sweep.py --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
 
 Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
 and to <output_dir>/<name>/runs/<run>/metrics.jsonl. A run is finished when its summary.json exists; re-running
 the same command skips finished runs and runs that train.py stopped with an error (exit code 2: it would stop
-again), and restarts interrupted ones from scratch. The report (markdown, CSV and
-four PNG plots) is written to --report-dir.
+again), and restarts interrupted ones from scratch. Each finished run is packed into <report_dir>/data/ (one
+gzipped JSONL: a header with its config, summary and swept axes, then its metric rows); the report (markdown, CSV
+and four PNG plots) is built from that data and written beside it, so a committed report carries its data.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import itertools
 import json
 import math
@@ -49,7 +52,7 @@ class SweepArgs:
     threshold: float = 0.6
     """held-out accuracy for the 'steps to threshold' column"""
     report_only: bool = False
-    """skip running, only rebuild the report"""
+    """skip running, only rebuild the report from <report_dir>/data/"""
 
 
 class SweepError(ValueError):
@@ -182,18 +185,37 @@ def run_grid(runs: list[dict], name: str, train_args: list[str], runs_dir: Path,
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_runs(runs_dir: Path) -> list[dict]:
-    """Every finished run under runs_dir, with its config, summary, metric rows and swept axes."""
-    runs = []
+def write_jsonl_gz(path: Path, records: list) -> None:
+    """One JSON record per line, gzipped with mtime 0 so that the same run always packs to the same bytes."""
+    with gzip.GzipFile(path, "wb", mtime=0) as f:
+        f.write("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records).encode())
+
+
+def read_jsonl_gz(path: Path) -> list:
+    return [json.loads(line) for line in gzip.open(path, "rt")]
+
+
+def pack(runs_dir: Path, data_dir: Path) -> list[str]:
+    """Pack every finished run under runs_dir (those with a summary.json) into data_dir as <run>.jsonl.gz: a header
+    (name, config, summary, swept axes), then its metrics.jsonl rows; a run redone since is packed again. Returns
+    the names packed."""
+    new = []
     for summary in sorted(runs_dir.glob("*/summary.json")):
-        rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").open()]
-        config = json.loads((summary.parent / "config.json").read_text())
-        flags_file = summary.parent / "sweep.json"
-        flags = json.loads(flags_file.read_text()) if flags_file.is_file() else {}
-        axes = {k: str(v) for k, v in flags.items() if k not in ("algo", "seed", "run_name")}
-        runs.append({"name": summary.parent.name, "config": config, "summary": json.loads(summary.read_text()),
-                     "rows": rows, "axes": axes})
-    return runs
+        d = summary.parent
+        out = data_dir / f"{d.name}.jsonl.gz"
+        flags = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
+        header = {"name": d.name, "config": json.loads((d / "config.json").read_text()),
+                  "summary": json.loads(summary.read_text()),
+                  "axes": {k: str(v) for k, v in flags.items() if k not in ("algo", "seed", "run_name")}}
+        data_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl_gz(out, [header] + (d / "metrics.jsonl").read_text().splitlines())
+        new.append(d.name)
+    return new
+
+
+def load_runs(data_dir: Path) -> list[dict]:
+    """Every packed run: its config, summary and swept axes, and `rows` (the metrics of each logged step)."""
+    return [{**header, "rows": rows} for header, *rows in map(read_jsonl_gz, sorted(data_dir.glob("*.jsonl.gz")))]
 
 
 def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -397,18 +419,20 @@ def main() -> None:
     args, train_args = tyro.cli(SweepArgs, description=__doc__, return_unknown_args=True,
                                 args=merge_set_flags(sys.argv[1:]))
     runs_dir = Path(args.output_dir) / args.name / "runs"
+    out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
     try:
         if not args.report_only:
             axes = set_axes(args.set, train_args)
             print(plan(args, axes), flush=True)
             run_grid(grid(args, axes), args.name, train_args, runs_dir, args.parallel)
-        runs = load_runs(runs_dir)
+        pack(runs_dir, out / "data")
+        runs = load_runs(out / "data")
         if not runs:
-            raise SweepError(f"no finished runs under {runs_dir}; run the sweep first (without --report-only)")
+            raise SweepError(f"no finished runs under {runs_dir} nor packed in {out / 'data'}; run the sweep first "
+                             "(without --report-only)")
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
     write_report(runs, out, args.threshold, f"Sweep {args.name}: {len(runs)} runs")
     print(f"report: {out / 'summary.md'}")
 

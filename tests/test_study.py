@@ -31,11 +31,12 @@ def test_study_expands_to_the_documented_grid():
                                           "num_minibatches": "16"}  # the successors' presets are at β = 0 already
     # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, Dr.GRPO, the late seeds
     tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(5)] == [25, 6, 18, 5, 26]
+    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(5)] == [26, 6, 21, 5, 22]
     successors = [n for n, t in zip(names, tiers) if t == 2]
     seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
     assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
-    assert {n for n in successors if n.startswith("base-")} == {f"base-{a}-s0" for a in ("cispo", "sapo", "gmpo")}
+    assert {n for n in successors if n.startswith("base-")} == {f"base-cispo-s{i}" for i in range(4)} | {
+        f"base-{a}-s0" for a in ("sapo", "gmpo")}
     for cell, (_, arms) in study.CELLS.items():  # documented where `python study.py --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON

@@ -46,10 +46,14 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
         (a, f"lr={lr} num_minibatches={n}") for a in ("gspo", "grpo") for lr in ("1e-3", "5e-4") for n in (2, 4))
     assert all(0 <= float(r["accuracy_after_mean"]) <= 1 for r in rows)
 
-    runs = sweep.load_runs(tmp_path / "micro" / "runs")
+    # the report carries its data: one packed file per run, from which the same report is rebuilt
+    runs = sweep.load_runs(report / "data")
+    assert sorted(r["name"] for r in runs) == sorted(configs) and all(r["rows"] for r in runs)
+    assert {r["name"]: r["config"] for r in runs} == configs
     points = sweep.write_report(runs, tmp_path / "again", 0.6, "again")
     assert set(points) == {"accuracy", "length_buckets", "clip", "lengths"}
     assert all(n > 0 for n in points.values()), points
+    assert (tmp_path / "again" / "summary.csv").read_text() == (report / "summary.csv").read_text()
 
     # an interrupted run (no summary.json) is redone; a finished one is skipped
     (tmp_path / "micro" / "runs" / "grpo-lr1e-3-num_minibatches4-s0" / "summary.json").unlink()
@@ -98,3 +102,12 @@ def test_a_bad_set_is_one_line_before_any_run(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: --set names lr twice; give all its values in one: --set lr=v1,v2"]
     assert not any(tmp_path.iterdir())
+
+
+def test_report_only_without_runs_or_data_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "sweep.py", "--report-only", "--output-dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("error: no finished runs under") and "without --report-only" in done.stderr
+    assert not any(tmp_path.iterdir())
+
