@@ -82,18 +82,17 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
     }),
 }
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
-# seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO to seed 3: claim 6a pairs CISPO with it); (1)
-# claim 3 at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, to
-# seed 4, and base: CISPO (claim 6a) to seed 3, SAPO and GMPO (whose base arms serve only the staleness check) at
-# seed 0; (3) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late
-# seeds: base GSPO's 5th, claim 3 at β = 0.04 from its 4th, base CISPO's 5th and SAPO's and GMPO's from their 2nd,
-# and claim 5's DAPO arms from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in stale16 and
-# in every probed regime, so more seeds cannot change the verdict).
+# seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO too: claim 6a pairs CISPO with it); (1) claim 3
+# at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, and base
+# CISPO (claim 6a), to seed 4, base SAPO and GMPO (whose base arms serve only the staleness check) at seed 0; (3)
+# base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late seeds: claim 3
+# at β = 0.04 from its 4th, base SAPO's and GMPO's from their 2nd, and claim 5's DAPO arms from their 2nd (a DAPO
+# run takes ~18 min, and its manipulation check fails in stale16 and in every probed regime, so more seeds cannot
+# change the verdict).
 TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 3,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
-LATER = {("base", "gspo"): 4, ("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
-         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, ("base", "cispo"): 4,
-         **{("base", a): 1 for a in ("sapo", "gmpo")}}
+LATER = {("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
+         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, **{("base", a): 1 for a in ("sapo", "gmpo")}}
 SEEDS = (0, 1, 2, 3, 4)
 
 
