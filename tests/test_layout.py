@@ -163,22 +163,3 @@ def test_documented_answer_lengths_are_the_tasks():
         for f in ["README.md", "train.py", "study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
             assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
 
-
-def test_memory_table_in_the_docs_is_the_estimate_and_counts_lora_as_peft_does(tiny_policy_dir):
-    import torch
-
-    import memory
-    import model as models
-
-    assert memory.table() in (ROOT / "docs" / "reference.md").read_text()
-    base, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
-    c = base.config
-    shape = memory.Shape("tiny", sum(p.numel() for p in base.parameters()), c.num_hidden_layers, c.hidden_size,
-                         c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads),
-                         c.vocab_size)
-    policy = models.add_lora(base, 4, 8.0, models.LORA_TARGETS)
-    assert memory.lora_params(shape, 4) == sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    e = memory.estimate(shape, rows=2, tokens=10, completion=4, beta=0.04, checkpointing=False)
-    assert e["reference"] == e["weights"] == 2 * shape.params and e["adamw"] == 2 * e["gradients"]
-    assert memory.estimate(shape, 2, 10, 4, 0.04, False, lora_rank=4)["reference"] == 0  # the base, adapter off
-    assert memory.estimate(shape, 2, 10, 4, 0.0, True)["activations"] < e["activations"]

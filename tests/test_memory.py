@@ -1,0 +1,46 @@
+"""memory.py: the paper estimate of an RL step's memory, and the measurement that checks it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_memory_table_in_the_docs_is_the_estimate_and_counts_lora_as_peft_does(tiny_policy_dir):
+    import torch
+
+    import memory
+    import model as models
+
+    assert memory.table() in (ROOT / "docs" / "reference.md").read_text()
+    base, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    c = base.config
+    shape = memory.Shape("tiny", sum(p.numel() for p in base.parameters()), c.num_hidden_layers, c.hidden_size,
+                         c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads),
+                         c.vocab_size)
+    policy = models.add_lora(base, 4, 8.0, models.LORA_TARGETS)
+    assert memory.lora_params(shape, 4) == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    e = memory.estimate(shape, rows=2, tokens=10, completion=4, beta=0.04, checkpointing=False)
+    assert e["reference"] == e["weights"] == 2 * shape.params and e["adamw"] == 2 * e["gradients"]
+    assert memory.estimate(shape, 2, 10, 4, 0.04, False, lora_rank=4)["reference"] == 0  # the base, adapter off
+    assert memory.estimate(shape, 2, 10, 4, 0.0, True)["activations"] < e["activations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing, rank", [(False, 0), (True, 4)])
+def test_a_measurement_is_one_train_process_with_its_own_peak_rss(tmp_path, random_chat_model_dir, checkpointing,
+                                                                  rank):
+    """measure_one runs the set-up it names (the run's config says so) and reads back this child's peak RSS, the
+    last step's seconds and the longest completion, within the budget it was given."""
+    import memory
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(30)))
+    m = memory.measure_one(str(random_chat_model_dir), data, tmp_path, checkpointing, rank, 0.04, steps=1,
+                           threads=1, max_new_tokens=12)
+    config = json.loads(next(tmp_path.glob("*/config.json")).read_text())
+    assert (config["gradient_checkpointing"], config["lora_rank"], config["beta"]) == (checkpointing, rank, 0.04)
+    assert 0.1 < m["rss_gib"] < 8 and m["step_s"] >= m["update_s"] > 0 and 1 <= m["completion"] <= 12
