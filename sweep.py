@@ -297,6 +297,44 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
     return rows
 
 
+def detail_tables(runs: list[dict]) -> list[str]:
+    """The numbers behind the figures, per group (mean over steps, then over seeds): held-out accuracy before
+    training per seed, the shadow clip fractions (what each preset's rule would clip on the group's own batches),
+    the length-bucket spread of the sequence log-ratio, and the lengths of correct and incorrect completions."""
+    groups = groups_of(runs)
+    names = [group_label(*g) for g in groups]
+    def mean_of(rs, key):  # "-" where the runs never logged the key (an older run, or a preset added since)
+        per_run = [series(r, key)[1] for r in rs]
+        return f"{np.mean([y.mean() for y in per_run]):.3g}" if all(len(y) for y in per_run) else "-"
+    def first_last(rs, key):
+        per_run = [series(r, key)[1] for r in rs]
+        if not all(len(y) for y in per_run):
+            return "-"
+        return f"{np.mean([y[:10].mean() for y in per_run]):.1f} → {np.mean([y[-10:].mean() for y in per_run]):.1f}"
+    seeds = sorted({(r["config"]["seed"], r["summary"]["accuracy_before"]) for r in runs})
+    out = ["Held-out accuracy before training, per seed (each seed has its own warm start): "
+           + ", ".join(f"seed {s} {a:.3f}" for s, a in seeds) + ".", "",
+           "Shadow clip fractions: what each preset's rule would clip on each group's batches (sequences for GSPO, "
+           "tokens otherwise; the diagonal is what the group itself clipped).", "",
+           "| rule \\ batches of | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    shadow = sorted({k.removeprefix("clip/shadow_") for r in runs for row in r["rows"] for k in row
+                     if k.startswith("clip/shadow_")}, key=lambda a: (a not in ALGOS, a))
+    for preset in shadow:
+        out.append(f"| {preset} | " + " | ".join(mean_of(rs, f"clip/shadow_{preset}") for rs in groups.values()) + " |")
+    out += ["", "Spread of the sequence log-ratio by length quartile (RMS over steps and seeds; the figure's points): "
+            "mean length → std of Σ_t log ρ_t, and of GSPO's log s_i.", "",
+            "| group | Σ_t log ρ_t | log s_i |", "|---|---|---|"]
+    for name, rs in zip(names, groups.values()):
+        cells = [", ".join(f"{x:.0f} → {y:.3g}" for x, y in length_bucket_points(rs, key)) or "-"
+                 for key in ("std_logsum", "std_log_s")]
+        out.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    out += ["", "Mean length (tokens) of correct and incorrect completions, first 10 steps → last 10.", "",
+            "| group | correct | incorrect |", "|---|---|---|"]
+    for name, rs in zip(names, groups.values()):
+        out.append(f"| {name} | {first_last(rs, 'charts/len_correct')} | {first_last(rs, 'charts/len_incorrect')} |")
+    return out
+
+
 def save_figure(fig, path: Path) -> int:
     """Save and close a figure; returns how many data points its lines carry (0 means an empty plot)."""
     import matplotlib.pyplot as plt
@@ -407,6 +445,8 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
                      f"{r['accuracy_after_mean']:.3f} ± {r['accuracy_after_std']:.3f} | "
                      f"{fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
                      f"{fmt(r['token_ratio_var_mean'])} | {r['length_change']:+.1f} | {r['minutes_mean']:.1f} |")
+    lines += ["", "(Clip fraction: of sequences for sequence-level ratios, of tokens otherwise. Length change: mean "
+              "completion length over the last 10 steps minus the first 10.)", ""] + detail_tables(runs)
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -144,6 +144,7 @@ def test_references_that_can_never_match_the_format_are_refused_when_loaded(tmp_
     assert "row 1 ('8 mod 3 =')" in line and "'subtract 3 twice to get two'" in line
 
 
+@pytest.mark.slow
 def test_a_run_where_nothing_is_ever_correct_warns_once(tmp_path, capsys, tiny_policy_dir):
     path = tmp_path / "never.jsonl"
     path.write_text("".join(f'{{"prompt": "{i} mod 3 =", "answer": "no such answer"}}\n' for i in range(12)))
@@ -324,6 +325,7 @@ def test_hub_dataset_without_the_datasets_package(tmp_path, capsys, monkeypatch,
             capsys, out, "needs `pip install datasets`")
 
 
+@pytest.mark.slow
 def test_wrong_wandb_key_falls_back_offline_within_seconds(tmp_path, capsys, tiny_policy_dir, monkeypatch):
     """Not an error: the run goes on, logged offline, after one warning line, and the server is asked for 3 s."""
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)

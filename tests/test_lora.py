@@ -74,6 +74,7 @@ def test_a_lora_run_saves_its_adapter_and_a_merged_model_that_loads(tmp_path, ti
     assert torch.allclose(a, b, atol=1e-4) and not torch.equal(a, logprobs(models.AdapterOff(peft_policy), batch))
 
 
+@pytest.mark.slow
 def test_lora_resume_continues_exactly(tmp_path, tiny_policy_dir):
     common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "algo": "grpo", "lora_rank": 4, "save_every": 2}
     train.train(train.Args(**common, output_dir=str(tmp_path / "a"), total_steps=4))

@@ -211,6 +211,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_pa
     assert metrics_without_timing(ref_dir) == metrics_without_timing(kill_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500"] + SMALL, tmp_path)
     metrics = tmp_path / "gspo-s0" / "metrics.jsonl"
@@ -224,6 +225,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_before_start_up_is_one_line(tmp_path, tiny_policy_dir, delay):
     """Ctrl-C while torch/transformers are still importing (0.3 s) or while flags are checked: one line, no
@@ -300,6 +302,7 @@ answer_like = st.one_of(
 completion = st.lists(st.one_of(st.just("<answer>"), st.just("</answer>"), answer_like), max_size=12).map("".join)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(completion, answer_like)
 def test_verifier_never_raises(text, reference):

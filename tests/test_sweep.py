@@ -68,6 +68,7 @@ def test_grid_names_and_overrides():
     assert runs[1]["lr"] == "3e-4"
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_an_error_is_not_rerun(tmp_path, tiny_policy_dir):
     """A run train.py stopped with exit code 2 (bad input, a non-finite stop, dynamic sampling giving up) would stop
     the same way again: a rerun of the sweep reports it and moves on."""
@@ -96,6 +97,7 @@ def test_repeated_set_flags_are_gathered_and_mistakes_refused():
             sweep.set_axes(items, train_args)
 
 
+@pytest.mark.slow
 def test_a_bad_set_is_one_line_before_any_run(tmp_path):
     done = subprocess.run([sys.executable, "sweep.py", "--set", "lr=1e-4", "--set", "lr=2e-4", "--output-dir",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -111,3 +113,14 @@ def test_report_only_without_runs_or_data_is_one_line(tmp_path):
     assert done.stderr.startswith("error: no finished runs under") and "without --report-only" in done.stderr
     assert not any(tmp_path.iterdir())
 
+
+@pytest.mark.slow
+def test_the_committed_sweep_report_is_what_its_data_makes(tmp_path):
+    """docs/sweep/ is `python sweep.py --report-only --report-dir docs/sweep` of docs/sweep/data: the table, and
+    every figure with as many points as the runs give."""
+    runs = sweep.load_runs(ROOT / "docs" / "sweep" / "data")
+    assert len(runs) == 12 and {r["config"]["algo"] for r in runs} == set(sweep.ALGOS)
+    points = sweep.write_report(runs, tmp_path, 0.6, f"Sweep default: {len(runs)} runs")
+    assert all(n > 0 for n in points.values()), points
+    for name in ("summary.md", "summary.csv"):
+        assert (tmp_path / name).read_text() == (ROOT / "docs" / "sweep" / name).read_text(), name
