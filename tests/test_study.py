@@ -208,7 +208,7 @@ def test_sweep_report_keeps_every_swept_axis(tmp_path):
                 for row in r["rows"]:
                     row.update({"charts/reward": 0.5, "charts/completion_len": 70.0, "charts/len_correct": 60.0,
                                 "ratio/token_var": 1e-3, **{f"clip/shadow_{a}": 0.01 for a in sweep.ALGOS}})
-                r.update(config={"algo": algo}, summary={"accuracy_before": 0.3, "accuracy_after": r["rows"][-1]
+                r.update(config={"algo": algo, "seed": seed}, summary={"accuracy_before": 0.3, "accuracy_after": r["rows"][-1]
                                                          ["eval/accuracy"], "rl_minutes": 1.0}, axes={"lr": lr})
                 runs.append(r)
     rows = sweep.summary_rows(runs, 0.4)
