@@ -333,8 +333,10 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
         rho = torch.exp(log_ratio)
         capped = ((rho < 1 - cfg.epsilon) | (rho > 1 + cfg.epsilon_high)) & valid
         return float(capped.sum() / valid.sum().clamp(min=1))
-    if cfg.surrogate == "gmpo":
-        clipped = (gmpo_log_ratio(log_ratio, adv_tok, cfg.epsilon, cfg.epsilon_high) != log_ratio) & valid
+    if cfg.surrogate == "gmpo":  # sign-aware like PPO's: a token with A = 0 has no side to clip (sgn(0) = 0 would
+        # zero its l'_it, a change that carries no gradient, so it is not counted)
+        changed = gmpo_log_ratio(log_ratio, adv_tok, cfg.epsilon, cfg.epsilon_high) != log_ratio
+        clipped = changed & (adv_tok != 0) & valid
         return float(clipped.sum() / valid.sum().clamp(min=1))
     if cfg.surrogate == "sapo":
         if cfg.importance_sampling_level == "token":

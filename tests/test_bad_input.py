@@ -5,6 +5,7 @@ stderr, no traceback, and the output folder absent or byte-for-byte unchanged. M
 import hashlib
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -343,12 +344,22 @@ def test_wrong_wandb_key_falls_back_offline_within_seconds(tmp_path, capsys, tin
 # Run folders: a finished run is never replaced; every failure's advice gets out of it
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def finished(tmp_path, tiny_policy_dir):
-    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "2",
-            "--save-every", "1"] + SMALL
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_policy_dir):
+    """One finished 2-step run with its checkpoints, shared by the refusals below (a refusal leaves it as it was,
+    which each of them asserts)."""
+    out = tmp_path_factory.mktemp("finished")
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(out), "--total-steps", "2", "--save-every", "1"] + SMALL
     train.main(argv)
-    return argv, tmp_path / "gspo-s0"
+    return argv, out / "gspo-s0"
+
+
+@pytest.fixture
+def own_finished(finished, tmp_path):
+    """A private copy of the finished run, for a test that changes it (its argv points at the copy)."""
+    argv, shared = finished
+    shutil.copytree(shared, tmp_path / shared.name)
+    return [str(tmp_path) if a == str(shared.parent) else a for a in argv], tmp_path / shared.name
 
 
 @pytest.mark.parametrize("extra", [[], ["--resume", "auto"], ["--resume", "auto", "--total-steps", "5"],
@@ -364,7 +375,12 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
     assert "its results are kept. --run-name NEW_NAME starts a fresh run beside it" in line
     assert f"--resume {last} --run-name NEW_NAME --total-steps N continues it exactly" in line
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
-    # both ways out work, and leave the finished run as it was
+
+
+def test_both_ways_out_of_a_finished_run_work_and_keep_it(own_finished):
+    """The refusal's two advices, taken: a fresh run from its final model, and its last checkpoint continued."""
+    argv, run = own_finished
+    last = checkpoint.all_checkpoints(run / "checkpoints")[-1]
     kept = snapshot(run)
     train.main(argv[:1] + [str(run / "final")] + argv[2:] + ["--run-name", "further", "--total-steps", "1"])
     train.main(argv + ["--resume", str(last), "--run-name", "longer", "--total-steps", "3"])
@@ -449,15 +465,15 @@ def test_interrupt_during_start_up_leaves_nothing(tmp_path, capsys, tiny_policy_
 # Checkpoints: messages that point at what is really wrong
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_resume_given_a_file_inside_a_checkpoint(finished, capsys, tmp_path):
-    argv, run = finished
+def test_resume_given_a_file_inside_a_checkpoint(own_finished, capsys):
+    argv, run = own_finished
     ckpt = checkpoint.all_checkpoints(run / "checkpoints")[-1]
     (run / "summary.json").unlink()
     refused(argv + ["--resume", str(ckpt / "state.pt")], capsys, run.parent, f"pass the checkpoint folder {ckpt}")
 
 
-def test_truncated_model_in_a_checkpoint_names_the_earlier_one(finished, capsys):
-    argv, run = finished
+def test_truncated_model_in_a_checkpoint_names_the_earlier_one(own_finished, capsys):
+    argv, run = own_finished
     (run / "summary.json").unlink()
     first, last = checkpoint.all_checkpoints(run / "checkpoints")
     weights = last / "model" / "model.safetensors"

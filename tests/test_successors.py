@@ -167,3 +167,20 @@ def test_shadow_fractions_name_what_each_successor_does():
     assert 0 < diag["clip/sapo_gate_mean"] < 1
     on = losses.ratio_diagnostics(old, old, adv, mask, PRESETS["grpo"])
     assert on["clip/sapo_gate_mean"] == pytest.approx(1.0) and on["clip/shadow_sapo"] == 0.0
+
+
+def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage():
+    """GMPO clips l_it above eps_high where A > 0 and below -eps_low where A < 0, PPO's rule in log space. A row whose
+    advantage is 0 (a group with equal rewards) has no side to clip: it counts in the denominator only (sgn(0) = 0
+    zeroes its l'_it, which once counted every such token as clipped)."""
+    logp, old, adv, mask = batch(0.6, seed=4)
+    l = (logp - old) * mask
+    adv_tok = adv.unsqueeze(-1).expand_as(l)
+    cfg = PRESETS["gmpo"]
+    by_hand = (((adv_tok > 0) & (l > cfg.epsilon_high)) | ((adv_tok < 0) & (l < -cfg.epsilon))) & (mask > 0)
+    diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
+    assert 0 < diag["clip/frac"] == pytest.approx(float(by_hand.sum() / mask.sum()))
+    assert diag["clip/shadow_gmpo"] == diag["clip/frac"]
+    zero = adv.clone()
+    zero[:] = 0.0  # every group's rewards equal: nothing is clipped, however far the ratios have moved
+    assert losses.ratio_diagnostics(logp, old, zero, mask, cfg)["clip/frac"] == 0.0
