@@ -284,12 +284,22 @@ def pack(runs_dir: Path, data_dir: Path) -> list[str]:
     return new
 
 
+# A metric that committed runs logged wrongly: (key, those runs, why). load() drops it from their rows, so every
+# table shows n/a there instead of the wrong number; the data files stay as logged. A run made again after the fix
+# logs it right: take its name out of the list.
+MISLOGGED = [("clip/frac", ("base-gmpo-s0", *(f"stale16-gmpo-s{s}" for s in range(5))),
+              "GMPO's clip fraction: these runs counted every token of a zero-advantage group as clipped (fixed in "
+              "losses.clip_fraction_of after they ran; the loss and the training were unaffected)")]
+
+
 def load(data_dir: Path) -> list[dict]:
-    """Every packed run: its header fields plus `rows` (the per-step metrics)."""
+    """Every packed run: its header fields plus `rows` (the per-step metrics), less any MISLOGGED metric."""
     runs = []
     for path in sorted(data_dir.glob("*.jsonl.gz")):
         header, *rows = sweep.read_jsonl_gz(path)
-        runs.append({**header, "name": header["run"], "rows": rows})
+        drop = {key for key, names, _ in MISLOGGED if header["run"] in names}
+        runs.append({**header, "name": header["run"], "rows": [{k: v for k, v in row.items() if k not in drop}
+                                                                 for row in rows]})
     return runs
 
 
@@ -802,7 +812,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
                              f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} | "
                              f"{sum(PER_RUN['minutes'](r) for r in rs):.0f} |")
     lines += ["", "Levels are mean [95% t interval] over seeds. Collapsed: 20 points below the run's peak at its end, "
-                  "or a non-finite stop.", ""]
+                  "or a non-finite stop." + "".join(f" n/a: {why}." for _, _, why in MISLOGGED), ""]
     for name, (_, caption) in figs.items():
         lines += [f"![{name}]({name}.png)", "", f"*{name}.png: {caption}.*", ""]
     (out / "summary.md").write_text("\n".join(lines))

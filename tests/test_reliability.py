@@ -138,6 +138,7 @@ def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, tiny_policy_dir):
     base = ["--model", str(tiny_policy_dir), "--save-every", "2", "--algo", "grpo"] + SMALL
     train.main(base + ["--output-dir", str(tmp_path / "a"), "--total-steps", "4"])

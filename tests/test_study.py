@@ -181,6 +181,19 @@ def test_pack_and_load_keep_every_step(tmp_path):
     assert loaded["rows"] == [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "clip/frac": 0.3}]
 
 
+def test_a_mislogged_metric_is_dropped_from_the_runs_that_logged_it_only(tmp_path, monkeypatch):
+    rows = ['{"step": 0, "eval/accuracy": 0.25}', '{"step": 1, "clip/frac": 0.3, "ratio/abs_log_token": 0.01}']
+    for name, algo in (("stale16-gmpo-s0", "gmpo"), ("stale16-gmpo-s7", "gmpo")):
+        header = {"run": name, "cell": "stale16", "arm": "gmpo", "algo": algo, "seed": int(name[-1]), "flags": {},
+                  "stopped": None}
+        sweep.write_jsonl_gz(tmp_path / f"{name}.jsonl.gz", [header] + rows)
+    monkeypatch.setattr(study, "MISLOGGED", [("clip/frac", ("stale16-gmpo-s0",), "logged wrongly")])
+    old, new = study.load(tmp_path)
+    assert old["rows"][1] == {"step": 1, "ratio/abs_log_token": 0.01} and math.isnan(study.run_mean(old, "clip/frac"))
+    assert new["rows"][1]["clip/frac"] == 0.3  # a run made after the fix keeps it
+    assert study.level([study.run_mean(old, "clip/frac")]) == "n/a"
+
+
 @pytest.mark.slow
 def test_the_committed_report_is_the_rebuild_of_the_committed_data(tmp_path):
     """docs/study/ and the README's study section are what `python study.py --report-only` makes of docs/study/data."""

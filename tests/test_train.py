@@ -168,6 +168,7 @@ def parse_wandb_records(path: Path) -> tuple[list[str], list[dict]]:
     return kinds, rows
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_policy_dir, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
