@@ -319,11 +319,10 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
 def sft_batch(tokenizer, texts: list[tuple[task.Problem, str]]):
     """Right-padded (input_ids, labels) of (problem, completion) pairs for teacher-forced training; only
     completion tokens (and EOS) carry a loss."""
-    rows = []
-    for problem, completion in texts:
-        p = tokenizer(task.prompt_text(problem))["input_ids"]
-        c = tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p + c, [-100] * len(p) + c))
+    prompts = tokenizer([task.prompt_text(problem) for problem, _ in texts])["input_ids"]  # batched: one call each
+    completions = tokenizer([completion for _, completion in texts])["input_ids"]
+    rows = [(p + c + [tokenizer.eos_token_id], [-100] * len(p) + c + [tokenizer.eos_token_id])
+            for p, c in zip(prompts, completions)]
     width = max(len(r[0]) for r in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows])

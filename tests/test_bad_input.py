@@ -156,6 +156,7 @@ def test_a_run_where_nothing_is_ever_correct_warns_once(tmp_path, capsys, tiny_p
     assert "--answer-format tags" in out and "'no such answer'" in out
 
 
+@pytest.mark.slow
 def test_completions_cut_off_for_several_steps_warn_once(tmp_path, capsys, tiny_policy_dir):
     train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "5"] + SMALL
                + ["--max-new-tokens", "3"])
@@ -377,6 +378,7 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
 
 
+@pytest.mark.slow
 def test_both_ways_out_of_a_finished_run_work_and_keep_it(own_finished):
     """The refusal's two advices, taken: a fresh run from its final model, and its last checkpoint continued."""
     argv, run = own_finished
@@ -389,6 +391,7 @@ def test_both_ways_out_of_a_finished_run_work_and_keep_it(own_finished):
     assert snapshot(run) == kept
 
 
+@pytest.mark.slow
 def test_a_run_without_checkpoint_is_refused_with_advice_that_works(tmp_path, capsys, tiny_policy_dir, monkeypatch):
     argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "3"] + SMALL
     real = train.rl_step
@@ -422,6 +425,7 @@ def test_an_unfinished_run_with_checkpoints_points_to_resume(tmp_path, capsys, t
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.slow
 def test_non_finite_stop_before_a_checkpoint_advises_overwrite(tmp_path, capsys, tiny_policy_dir, monkeypatch):
     import losses
 
