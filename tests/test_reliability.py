@@ -183,8 +183,11 @@ def test_truncated_and_corrupt_checkpoints_are_refused(tmp_path, capsys, tiny_po
 
 def spawn(argv, out_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # Ctrl-C as at a terminal: a shell's background job (`pytest &` in a script) starts with SIGINT ignored, and a
+    # child would inherit that and never see the tests' SIGINT
     return subprocess.Popen([sys.executable, "train.py", *argv, "--output-dir", str(out_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.slow
