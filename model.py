@@ -320,9 +320,9 @@ def sft_batch(tokenizer, texts: list[tuple[task.Problem, str]]):
     """Right-padded (input_ids, labels) of (problem, completion) pairs for teacher-forced training; only
     completion tokens (and EOS) carry a loss."""
     prompts = tokenizer([task.prompt_text(problem) for problem, _ in texts])["input_ids"]  # batched: one call each
-    completions = tokenizer([completion for _, completion in texts])["input_ids"]
-    rows = [(p + c + [tokenizer.eos_token_id], [-100] * len(p) + c + [tokenizer.eos_token_id])
-            for p, c in zip(prompts, completions)]
+    completions = [c + [tokenizer.eos_token_id]
+                   for c in tokenizer([completion for _, completion in texts])["input_ids"]]
+    rows = [(p + c, [-100] * len(p) + c) for p, c in zip(prompts, completions)]
     width = max(len(r[0]) for r in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows])

@@ -303,8 +303,10 @@ def detail_tables(runs: list[dict]) -> list[str]:
     the length-bucket spread of the sequence log-ratio, and the lengths of correct and incorrect completions."""
     groups = groups_of(runs)
     names = [group_label(*g) for g in groups]
-    def cell(rs, key, fmt):  # fmt(per-run series) for a table cell; "-" where a run never logged the key (an
-        per_run = [series(r, key)[1] for r in rs]  # older run, or a preset added since)
+    def cell(rs, key, fmt):
+        """fmt(per-run series) for a table cell; "-" where a run never logged the key (an older run, or a preset
+        added since)."""
+        per_run = [series(r, key)[1] for r in rs]
         return fmt(per_run) if all(len(y) for y in per_run) else "-"
 
     def mean_of(rs, key):
