@@ -84,26 +84,28 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
 # seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO too: claim 6a pairs CISPO with it); (1) claim 3
 # at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, and base
-# CISPO (claim 6a), to seed 4, base SAPO and GMPO (whose base arms serve only the staleness check) at seed 0; (3)
-# base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (4) the late seeds: claim 3
-# at β = 0.04 from its 4th, base SAPO's and GMPO's from their 2nd, and claim 5's DAPO arms from their 2nd (a DAPO
-# run takes ~18 min, and its manipulation check fails in stale16 and in every probed regime, so more seeds cannot
-# change the verdict).
-TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 3,
+# CISPO (claim 6a), to seed 4, base SAPO and GMPO (whose base arms serve the staleness check) at seed 0; (3) the late
+# seeds of arms a verdict or check uses: base SAPO's and GMPO's from their 2nd, claim 3 at β = 0.04 from its 4th;
+# (4) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (5) claim 5's DAPO arms
+# from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in stale16 and in every probed regime,
+# so more seeds cannot change the verdict).
+TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
-LATER = {("stale16", "dapo"): 1, ("stale16", "dapo-eh0.2"): 1,  # arm -> its first seed of tier 4
-         ("stale16", "grpo"): 3, ("stale16", "gspo-b0.04"): 3, **{("base", a): 1 for a in ("sapo", "gmpo")}}
+LATER = {("stale16", "dapo"): (1, 5), ("stale16", "dapo-eh0.2"): (1, 5),  # arm -> (its first late seed, their tier)
+         ("stale16", "grpo"): (3, 3), ("stale16", "gspo-b0.04"): (3, 3),
+         **{("base", a): (1, 3) for a in ("sapo", "gmpo")}}
 SEEDS = (0, 1, 2, 3, 4)
 
 
 def tier(cell: str, arm: str, seed: int) -> int:
-    return 4 if seed >= LATER.get((cell, arm), len(SEEDS)) else TIERS.get((cell, arm), 0)
+    first_late, late_tier = LATER.get((cell, arm), (len(SEEDS), 0))
+    return late_tier if seed >= first_late else TIERS.get((cell, arm), 0)
 
 
 def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
     """Every run of the study as train.py flags, in the run order above (by tier, then seed by seed)."""
     runs = []
-    for level in range(5):
+    for level in range(6):
         for seed in seeds:
             for cell in cells:
                 regime, arms = CELLS[cell]
@@ -288,8 +290,9 @@ def pack(runs_dir: Path, data_dir: Path) -> list[str]:
 # table shows n/a there instead of the wrong number; the data files stay as logged. A run made again after the fix
 # logs it right: take its name out of the list.
 MISLOGGED = [("clip/frac", ("base-gmpo-s0", *(f"stale16-gmpo-s{s}" for s in range(5))),
-              "GMPO's clip fraction: these runs counted every token of a zero-advantage group as clipped (fixed in "
-              "losses.clip_fraction_of after they ran; the loss and the training were unaffected)")]
+              "GMPO's clip fraction of base-gmpo-s0 and stale16-gmpo-s0 to s4, which counted every token of a "
+              "zero-advantage group as clipped (fixed in losses.clip_fraction_of after they ran; the loss and the "
+              "training were unaffected)")]
 
 
 def load(data_dir: Path) -> list[dict]:
@@ -812,7 +815,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
                              f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} | "
                              f"{sum(PER_RUN['minutes'](r) for r in rs):.0f} |")
     lines += ["", "Levels are mean [95% t interval] over seeds. Collapsed: 20 points below the run's peak at its end, "
-                  "or a non-finite stop." + "".join(f" n/a: {why}." for _, _, why in MISLOGGED), ""]
+                  "or a non-finite stop." + "".join(f" Left out (n/a where no seed is left, a smaller n elsewhere): {why}."
+                                                    for _, _, why in MISLOGGED), ""]
     for name, (_, caption) in figs.items():
         lines += [f"![{name}]({name}.png)", "", f"*{name}.png: {caption}.*", ""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -29,9 +29,10 @@ def test_study_expands_to_the_documented_grid():
     assert by_name["stale16-gspo-b0.04-s2"]["beta"] == "0.04" and "beta" not in by_name["stale16-grpo-s2"]
     assert by_name["stale16-sapo-s3"] == {"algo": "sapo", "seed": "3", "run_name": "stale16-sapo-s3",
                                           "num_minibatches": "16"}  # the successors' presets are at β = 0 already
-    # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, Dr.GRPO, the late seeds
+    # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, the late seeds verdicts use,
+    # Dr.GRPO, DAPO's late seeds
     tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(5)] == [27, 6, 22, 5, 20]
+    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(6)] == [27, 6, 22, 12, 5, 8]
     successors = [n for n, t in zip(names, tiers) if t == 2]
     seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
     assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
