@@ -23,7 +23,7 @@ A probe (`probe-<regime>-<arm>-s<seed>` in the data) is a short run made only to
 another regime; it enters no verdict and is reported beside the claim it probes. Claim 5's ε_high changes the clip
 outcome of a token only when A > 0 and 1.2 < ρ <= 1.28, which needs π_old(y_t) < 1/1.2 = 0.83: a peaked policy has
 few such tokens, so the probes look for a regime where it binds (lr x4, four epochs over 16 minibatches, sampling
-temperature 1.5).
+temperature 1.5, and all three at once).
 
 The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
     The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
