@@ -8,7 +8,9 @@ single line, once per torchrun job; anything else is a bug and keeps its traceba
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import time
 
 import ddp
 
@@ -52,6 +54,8 @@ def one_line_errors():
         yield
     except UserError as e:
         report(e, ddp.rank())
+        if ddp.rank() != 0 and not isinstance(e, PER_RANK):
+            wait_for_rank_zero()
         sys.exit(2)
     except RuntimeError as e:
         if not ddp.is_peer_failure(e):
@@ -61,6 +65,14 @@ def one_line_errors():
         sys.exit(2)
     finally:
         ddp.teardown()
+
+
+def wait_for_rank_zero(seconds: float = 10.0) -> None:
+    """An error every rank meets is printed by rank 0 alone, but torchrun stops every process as soon as one exits:
+    a rank that got there first and exited at once would have rank 0 killed before it printed anything. So the other
+    ranks wait (SIGTERM at its default, so torchrun's stop ends the wait) until rank 0 has printed and exited."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(seconds)
 
 
 def report(e: BaseException, rank: int) -> None:

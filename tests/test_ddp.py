@@ -136,6 +136,27 @@ def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
     assert not (tmp_path / "gspo-np2-s0").exists()
 
 
+def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monkeypatch, capsys):
+    """torchrun stops every process once one exits: had rank 1 exited at once on a bad flag, rank 0 could be killed
+    before printing it (seen once in CI: no error line at all; reproduced by delaying rank 0 by 3 s). Rank 1 now
+    waits, with SIGTERM at its default so that torchrun's stop ends the wait; a per-rank error is its own to print."""
+    import errors
+
+    waits, handlers = [], []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    monkeypatch.setattr(errors.signal, "signal", lambda sig, handler: handlers.append((sig, handler)))
+    for rank, error, printed, waited in [
+            ("1", errors.ConfigError("--x is bad"), "", True),
+            ("0", errors.ConfigError("--x is bad"), "error: --x is bad\n", False),
+            ("1", errors.OutOfMemory("out of memory"), "error: rank 1: out of memory\n", False)]:
+        monkeypatch.setenv("RANK", rank)
+        waits.clear(), handlers.clear()
+        with pytest.raises(SystemExit) as stop, errors.one_line_errors():
+            raise error
+        assert stop.value.code == 2 and capsys.readouterr().err == printed
+        assert (waits == [10.0] and handlers == [(signal.SIGTERM, signal.SIG_DFL)]) if waited else not waits
+
+
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
     """NCCL needs a GPU per process: torchrun with 2 processes on a 1-GPU machine is refused before any set-up."""
     import errors
