@@ -104,16 +104,11 @@ def tier(cell: str, arm: str, seed: int) -> int:
 
 def grid(cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[dict]:
     """Every run of the study as train.py flags, in the run order above (by tier, then seed by seed)."""
-    runs = []
-    for level in range(6):
-        for seed in seeds:
-            for cell in cells:
-                regime, arms = CELLS[cell]
-                for arm, (algo, overrides) in arms.items():
-                    if tier(cell, arm, seed) == level:
-                        runs.append({"algo": algo, "seed": str(seed), "run_name": f"{cell}-{arm}-s{seed}",
-                                     **regime, **overrides})
-    return runs
+    runs = [(tier(cell, arm, seed), {"algo": algo, "seed": str(seed), "run_name": f"{cell}-{arm}-s{seed}",
+                                     **CELLS[cell][0], **overrides})
+            for seed in seeds for cell in cells for arm, (algo, overrides) in CELLS[cell][1].items()]
+    # a stable sort by tier: within one, the runs keep the order above (seed by seed as given, cells, arms)
+    return [run for _, run in sorted(runs, key=lambda r: r[0])]
 
 
 # ---------------------------------------------------------------------------------------------------------------
