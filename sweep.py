@@ -154,13 +154,14 @@ def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, thread
 
 
 def warm_starts_first(runs: list[dict], train_args: list[str]) -> None:
-    """Build each (seed, dataset) warm start once, before parallel runs race to build it."""
+    """Build each (seed, dataset) warm start once, before parallel runs race to build it (runs of another
+    `--model` need none)."""
     if "--model" in train_args:
         return
     import model
 
     default = train_args[train_args.index("--dataset") + 1] if "--dataset" in train_args[:-1] else "embedded"
-    for seed, dataset in sorted({(int(r["seed"]), r.get("dataset", default)) for r in runs}):
+    for seed, dataset in sorted({(int(r["seed"]), r.get("dataset", default)) for r in runs if "model" not in r}):
         model.warm_start(seed=seed, settings=model.warm_start_settings(dataset))
 
 

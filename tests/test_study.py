@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (9 + 7) == 80
+    assert len(runs) == 5 * (9 + 7 + 2) == 90
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -29,10 +29,13 @@ def test_study_expands_to_the_documented_grid():
     assert by_name["stale16-gspo-b0.04-s2"]["beta"] == "0.04" and "beta" not in by_name["stale16-grpo-s2"]
     assert by_name["stale16-sapo-s3"] == {"algo": "sapo", "seed": "3", "run_name": "stale16-sapo-s3",
                                           "num_minibatches": "16"}  # the successors' presets are at β = 0 already
+    treated, control = by_name["smollm2-grpo-b0-eh0.28-s3"], by_name["smollm2-grpo-b0-s3"]  # claim 5: ε_high alone
+    assert {k for k in treated.keys() | control.keys() if treated.get(k) != control.get(k)} == {"epsilon_high", "run_name"}
+    assert treated["model"] == "smollm" and treated["num_minibatches"] == "16"
     # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, the late seeds verdicts use,
-    # Dr.GRPO, DAPO's late seeds
+    # Dr.GRPO, claim 5 in smollm2, DAPO's late seeds
     tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(6)] == [27, 6, 22, 12, 5, 8]
+    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(7)] == [27, 6, 22, 12, 5, 10, 8]
     successors = [n for n, t in zip(names, tiers) if t == 2]
     seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
     assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
@@ -127,7 +130,7 @@ def synthetic_study(**over):
                     kw["acc"] = lambda s, seed=seed: 0.7 - abs(s - 15) / 50 - 0.01 * seed  # peak, then 50 points down
                 if arm == "grpo-b0" and cell == "base":
                     kw["rel"] = lambda s: 1.0 + s / 100  # wrong answers lengthen relative to right ones
-                if arm == "dapo-eh0.2":
+                if arm == "dapo-eh0.2" or (cell, arm) == ("smollm2", "grpo-b0"):  # clip-higher off: less entropy
                     kw["entropy"] = 0.7
                 kw.update(over.get(arm, {}))
                 runs.append(fake_run(cell, arm, seed, rng, **kw))
