@@ -710,8 +710,10 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         for rs in arms(cell, names):
             for ax, (key, log, title, ylabel) in zip(axes, panels):
                 points += band(ax, runs_of(rs), key, log=log, marker="o" if key == "eval/accuracy" else None)
-        for ax, (_, _, title, ylabel) in zip(axes, panels):
+        for ax, (key, _, title, ylabel) in zip(axes, panels):
             ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+            if key == "clip/differs":  # the manipulation check's threshold
+                ax.axhline(MANIPULATION["clip_differs"], color="gray", ls=":", lw=1)
         legend_below(fig, axes)
         figs[name] = (save(fig, out / f"{name}.png") and points, caption)
 
@@ -755,10 +757,11 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
                                          for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
     entropy_panels = (
         ("losses/entropy", True, "entropy of the sampling policy, log", "nats/token"),
-        ("clip/differs", False, "tokens whose clip outcome differs between ε_high 0.2 and 0.28", "fraction of tokens"))
+        ("clip/differs", False, "clip outcome differs, ε_high 0.2 vs 0.28 (grey: 1%)", "fraction of tokens"))
     two_panels("claim5_entropy", "smollm2", ("grpo-b0-eh0.28", "grpo-b0"), entropy_panels,
                "smollm2 (SmolLM2-135M-Instruct, 16 minibatches), GRPO β=0 at ε_high 0.28 vs 0.2: mean over seeds with "
-               "its 95% t interval (entropy in log space); right: the manipulation check per step", runs_of=differs)
+               "its 95% t interval (entropy in log space); right: the tokens ε_high acts on, per step (the check reads "
+               "step 1, grey dotted: its 1% threshold)", runs_of=differs)
     two_panels("claim5_entropy_stale16", "stale16", ("dapo", "dapo-eh0.2"), entropy_panels,
                "stale16 (embedded model), DAPO at ε_high 0.28 vs 0.2, where the check fails: mean over seeds with its "
                "95% t interval (entropy in log space); right: the manipulation check per step", runs_of=differs)
