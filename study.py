@@ -769,6 +769,11 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
         ("charts/len_incorrect", False, "mean length of incorrect completions", "tokens")),
         "base cell at β = 0: GRPO, GRPO with Dr.GRPO's aggregation (the claim's contrast) and Dr.GRPO; mean over seeds "
         "with its 95% t interval")
+    two_panels("claim4_length_bias_120", "base120", ("grpo-b0", "grpo-b0-sumnorm"), (
+        ("charts/len_incorrect_rel", False, f"incorrect / correct length within mixed groups, {LONG_STEPS} steps", "ratio"),
+        ("charts/len_incorrect", False, "mean length of incorrect completions", "tokens")),
+        f"base120 (base for {LONG_STEPS} steps), at β = 0: GRPO and GRPO with Dr.GRPO's aggregation (the claim's "
+        "contrast); mean over seeds with its 95% t interval")
     differs = lambda rs: [{**r, "rows": [{**row, "clip/differs": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}  # noqa: E731
                                          for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
     entropy_panels = (
@@ -840,7 +845,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
              f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
              f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `{SMOLLM2_FLAGS['dataset']}`, {SMOLLM2_STEPS} steps, "
-             f"{CELLS['smollm2'][0]['num_minibatches']} minibatches), where clip-higher binds as it does not with the embedded model. Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
+             f"{CELLS['smollm2'][0]['num_minibatches']} minibatches), where clip-higher binds as it does not with the embedded model, "
+             f"and claim 4 also over {LONG_STEPS} steps (base120). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
              "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
              "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
              "seeds detect) or not exercised (the manipulation check failed). "
@@ -875,7 +881,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     lines = ["# Study: the papers' claims about the importance ratio, on long answers", "",
              f"{len(grid)} runs{f' (and {probes} probe)' if probes == 1 else f' (and {probes} probes)' if probes else ''}: "
              f"{PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
-             f"{EVAL_EVERY} steps, `--dataset embedded-long` (the smollm2 cell: its own model, task and horizon, below); "
+             f"{EVAL_EVERY} steps, `--dataset embedded-long` (base120: {LONG_STEPS} steps, held-out accuracy every "
+             f"{LONG_STEPS // 2}; the smollm2 cell: its own model, task and horizon, below); "
              f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
              f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
