@@ -115,8 +115,9 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
 # (6) claim 5's DAPO arms in stale16 from their 2nd (a DAPO run takes ~18 min, and its manipulation check fails in
 # stale16 and in every probed regime of the embedded model, so more seeds cannot change that verdict); (7) claim 4 in
 # base120 (a run takes ~18 min on 1 thread).
-TIERS = {("base120", "grpo-b0"): 7, ("base120", "grpo-b0-sumnorm"): 7, ("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
-         ("smollm2", "grpo-b0"): 5, ("smollm2", "grpo-b0-eh0.28"): 5,
+TIERS = {("stale16", "grpo"): 1, ("stale16", "gspo-b0.04"): 1, ("base", "dr_grpo"): 4,
+         ("smollm2", "grpo-b0"): 5, ("smollm2", "grpo-b0-eh0.28"): 5, ("base120", "grpo-b0"): 7,
+         ("base120", "grpo-b0-sumnorm"): 7,
          **{(cell, a): 2 for cell in ("base", "stale16") for a in ("cispo", "sapo", "gmpo")}}
 LATER = {("stale16", "dapo"): (1, 6), ("stale16", "dapo-eh0.2"): (1, 6),  # arm -> (its first late seed, their tier)
          ("stale16", "grpo"): (3, 3), ("stale16", "gspo-b0.04"): (3, 3),
