@@ -17,6 +17,8 @@ from torch import Tensor
 
 @dataclass
 class Rollout:
+    """One batch of completions. It lives on the host (CPU) whatever device sampled it: the verifier, the metrics and
+    every rank's bookkeeping read it there, and the update moves the rows it scores to the policy's device."""
     prompt_ids: Tensor  # (B, Lp) left-padded
     prompt_mask: Tensor  # (B, Lp)
     completion_ids: Tensor  # (B, T) right-padded (whatever follows the first EOS)
@@ -96,23 +98,27 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     if keep_logprobs:  # out.logits: T raw (B, V) logits, before temperature or any other processor
         ro.sampler_logp, ro.sampler_entropy = token_logprobs(torch.stack(out.logits, dim=1), completion,
                                                              temperature, with_entropy=True)
-    return ro
+    return ro.to("cpu")  # host-side from here on (see Rollout)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False):
     """log softmax(logits / temperature) at `targets`: (B, T, V), (B, T) -> (B, T).
 
-    Taken as logit - logsumexp, without materialising a (B, T, V) log-prob tensor. With `with_entropy`, also the
-    per-token entropy (B, T) of the tempered distribution, without gradient.
+    Taken as logit - logsumexp, one row (T, V) at a time: no full-vocabulary float32 copy of the whole batch is made
+    (at a 151,936-token vocabulary one row of 256 tokens is 0.16 GB; the batch's copies would be B times that). With
+    `with_entropy`, also the per-token entropy (B, T) of the tempered distribution, without gradient.
     """
-    logits = logits.float() / temperature  # (B, T, V)
-    logz = torch.logsumexp(logits, dim=-1)  # (B, T)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    logp, entropy = [], []
+    for row, target in zip(logits, targets):  # (T, V), (T,)
+        row = row.float() / temperature  # (T, V)
+        logz = torch.logsumexp(row, dim=-1)  # (T,)
+        logp.append(row.gather(-1, target.unsqueeze(-1)).squeeze(-1) - logz)
+        if with_entropy:
+            with torch.no_grad():
+                entropy.append(logz - (torch.softmax(row, dim=-1) * row).sum(-1))  # H = log Z - E_p[logit]
     if not with_entropy:
-        return logp
-    with torch.no_grad():
-        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = log Z - E_p[logit]
-    return logp, entropy
+        return torch.stack(logp)
+    return torch.stack(logp), torch.stack(entropy)
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,

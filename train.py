@@ -469,15 +469,25 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     b = mask.shape[0]
     everything = torch.arange(b, device=device)
     on_policy = is_on_policy(args)
-    old_logp = ref_logp = None
-    with torch.inference_mode():  # ALGO: pi_old and the reference policy, fixed for the whole update
-        if ro.sampler_logp is not None:  # pi_old as the sampler saw it
-            old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
-        elif not on_policy:  # pi_old recomputed once, before the first update (on-policy: the ratio is 1 anyway)
-            old_logp, entropy = logprobs_of(policy, ro, everything, args, with_entropy=True)
-        if cfg.beta > 0:
-            ref_logp = logprobs_of(ref_policy, ro, everything, args)
     mb_size = b // args.num_minibatches
+    old_logp = ref_logp = None
+
+    @torch.inference_mode()
+    def score_all(model, micro: int, with_entropy: bool = False):
+        """log-probs (and entropies) of every row, `micro` rows per forward: memory grows with the micro-batch."""
+        parts = [logprobs_of(model, ro, rows, args, with_entropy) for rows in everything.split(micro)]
+        return tuple(torch.cat(p) for p in zip(*parts)) if with_entropy else torch.cat(parts)
+
+    # ALGO: pi_old and the reference policy, fixed for the whole update
+    if ro.sampler_logp is not None:  # pi_old as the sampler saw it
+        old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
+    elif not on_policy:  # pi_old recomputed once, before the first update (on-policy: the ratio is 1 anyway)
+        old_logp, entropy = lifecycle.shrink_on_oom(  # PLUMBING: in micro-batches, halved after out-of-memory
+            lambda micro: score_all(policy, micro, with_entropy=True), mb_size, args.micro_batch_size,
+            lambda: None, world.size)
+    if cfg.beta > 0:
+        ref_logp = lifecycle.shrink_on_oom(lambda micro: score_all(ref_policy, micro), mb_size,
+                                           args.micro_batch_size, lambda: None, world.size)
     net = world.trainable(policy)  # the DDP wrapper under torchrun: its backward all-reduces the gradients
 
     def accumulate(mb: torch.Tensor, micro: int) -> tuple[float, list]:
