@@ -177,9 +177,9 @@ def validate(args, world_size: int = 1) -> None:
     if context and args.max_new_tokens >= context:  # every prompt takes a token at least: refused before any warm
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context "
                           f"of {context} tokens; use at most {context - 1} minus the longest prompt")  # start or load
-    if args.dtype == "float16" and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()
-                                                            and not torch.backends.mps.is_available())):
-        raise ConfigError("--dtype float16 on the CPU overflows in training (no loss scaling); use float32 or bfloat16")
+    if args.dtype == "float16":  # AdamW's second moment underflows in fp16 and, without loss scaling, NaNs follow
+        raise ConfigError("--dtype float16 is not supported for training (no loss scaling: the weights turn NaN at "
+                          "the first step); use bfloat16 (Ampere GPUs and later) or float32")
     if args.answer_format == "boxed":
         try:
             rewards.require_math_verify()

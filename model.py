@@ -7,7 +7,9 @@ Its starting policy comes from a short supervised warm start on the noisy teache
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -49,11 +51,34 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
-    """bf16 where the device computes in it natively (recent CUDA GPUs), else fp32. CPU bf16 is slow and lossy."""
+    """The precision forwards compute in: bf16 where the device has it natively (Ampere and later; T4 and V100 only
+    emulate it, slowly), else fp32. CPU bf16 is slow and lossy. Trained weights stay fp32 whatever this says."""
     if name == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def compute_in(model, dtype: torch.dtype):
+    """Mixed precision as TRL and accelerate do it: the weights (and so the gradients and AdamW's moments) keep their
+    own dtype, and every forward of `model` (in the update, in generate, under DDP or peft) runs under autocast to
+    `dtype`. Pure bf16 weights would round away any update smaller than half a bf16 ulp (~0.4% of the weight)."""
+    if dtype == torch.float32:
+        return model
+    forward = functools.partial(_autocast_forward, model, dtype)  # a partial: deepcopy(model) rebinds it to the copy
+    forward.__signature__ = inspect.signature(model.forward)  # generate reads forward's arguments (logits_to_keep)
+    model.forward, model.autocast_dtype = forward, dtype
+    return model
+
+
+def _autocast_forward(model, dtype, *args, **kwargs):
+    with torch.autocast(model.device.type, dtype=dtype):
+        return type(model).forward(model, *args, **kwargs)
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The precision `model`'s forwards compute in (compute_in), which is what rounding depends on."""
+    return getattr(model, "autocast_dtype", None) or model.dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ class Args:
     device: str = "auto"
     """cuda, mps or cpu; auto picks the first available"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """auto: bf16 on GPUs that support it, else fp32"""
+    """the precision forwards compute in: bf16 runs under autocast and trained weights, gradients and AdamW's moments
+    stay fp32 (LoRA: a bf16 base, fp32 adapters). auto: bf16 on GPUs with native bf16, else fp32; float16 is refused"""
     threads: int = 0
     """CPU threads torch uses (0: its default, OMP_NUM_THREADS or one per core). On a busy or shared machine 1 is
     often faster; metrics repeat exactly for the same seed and thread count"""
@@ -271,7 +272,7 @@ def seed_everything(seed: int) -> None:
 def load_policy(args: Args, path: Path | None = None):
     """The starting policy of --model, or the model saved at `path` (a checkpoint), on the chosen device."""
     device = models.pick_device(args.device)
-    dtype = models.pick_dtype(device, args.dtype)
+    dtype = models.pick_dtype(device, args.dtype)  # what forwards compute in; a full fine-tune keeps fp32 weights
     name = str(path) if path else args.model
     if name == "embedded":
         settings = models.warm_start_settings(args.dataset)
@@ -280,7 +281,8 @@ def load_policy(args: Args, path: Path | None = None):
                   f"cached in {models.cache_root()})", flush=True)
         name = str(models.warm_start(seed=args.seed, settings=settings))
     try:
-        return models.load_model(name, device, dtype)
+        policy, tokenizer = models.load_model(name, device, dtype if args.lora_rank else torch.float32)
+        return models.compute_in(policy, dtype), tokenizer  # LoRA: a bf16 base (its fp32 adapter is what trains)
     except models.ModelError as e:
         if path is None:
             raise
@@ -359,7 +361,7 @@ def old_from_sampler(policy, args: Args) -> bool:
     if args.old_logprobs != "auto":
         return args.old_logprobs == "sampler"
     logit_bytes = args.num_prompts * args.num_generations * args.max_new_tokens * policy.config.vocab_size * 4
-    return policy.dtype == torch.float32 and logit_bytes <= 2**30
+    return models.compute_dtype(policy) == torch.float32 and logit_bytes <= 2**30
 
 
 def join(parts: list[Batch], pad_id: int) -> Batch:
@@ -679,6 +681,13 @@ def eval_lines(when: str, m: dict, sample: tuple | None, n_problems: int) -> str
     return line
 
 
+def precision(policy) -> str:
+    """float32, or e.g. 'bfloat16 autocast, float32 weights'."""
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    compute = models.compute_dtype(policy)
+    return name(compute) if compute == policy.dtype else f"{name(compute)} autocast, {name(policy.dtype)} weights"
+
+
 def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, policy, world: World) -> list[str]:
     """Where the run's files go, what it trains on and with what: printed once before the first evaluation."""
     mode = network.wandb_mode(args.wandb_mode)
@@ -687,7 +696,7 @@ def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, po
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
     lines = [f"run folder: {run_dir} (config.json, metrics.jsonl, final/); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems; "
-             f"device {policy.device}, {str(policy.dtype).removeprefix('torch.')}{threads}"
+             f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
     if args.model == "embedded" and args.dataset not in EMBEDDED_TASKS:
         lines.append(f"note: the embedded model was warm-started on the remainder task only and knows nothing of "

@@ -96,7 +96,8 @@ FLAGS = [
     (["--overlong-weight", "-0.5"], "reward weights must be >= 0"),
     (["--resume", "auto", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--wandb-tags", "x" * 70], "each tag must be 1 to 64 characters"),
-    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 on the CPU"),
+    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 is not supported"),
+    (["--dtype", "float16"], "--dtype float16 is not supported"),  # on every device (a GPU's weights turn NaN)
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
