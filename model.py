@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 from transformers.utils import logging as hf_logging
 
 import network
@@ -226,15 +227,49 @@ def save_final(model, tokenizer, folder: Path, merge: bool) -> None:
 
 
 def prepare(model, tokenizer, device: torch.device):
-    """Left padding for generation, a pad token, and an EOS the verifier can rely on."""
+    """Left padding for generation, a pad token, every id that ends a completion, and a generation config of the
+    project's own: pad, EOS and nothing else. A hub model's generation_config.json may carry logits processors
+    (Qwen2.5-Instruct: repetition_penalty 1.05-1.1; others no_repeat_ngram_size, min_p, bad words, ...) that would
+    make the sampler draw from another distribution than the pi_old the loss computes; none of them is kept. The
+    sampling temperature is rollout.generate's argument."""
     if tokenizer.eos_token_id is None:
         raise ModelError("the tokenizer has no EOS token; completions could never end. Use a model with one")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pad == eos: rollout.py keeps the first EOS in the mask
     tokenizer.padding_side = "left"
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
+                                               eos_token_id=stop_ids(model.generation_config, tokenizer))
     return model.to(device), tokenizer
+
+
+def stop_ids(generation_config, tokenizer) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS, every EOS id of the model's generation_config (Qwen2.5-
+    Instruct lists <|im_end|> and <|endoftext|>, Llama-3.x-Instruct three ids), and the chat template's end-of-turn
+    token, which a base model used through its template (the R1-Zero set-up) must stop at too."""
+    listed = generation_config.eos_token_id if generation_config is not None else None
+    listed = listed if isinstance(listed, list) else [listed]
+    ids = [tokenizer.eos_token_id, *listed, end_of_turn_id(tokenizer)]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant turn (<|im_end|>, <|eot_id|>,
+    <end_of_turn>, ...), found by rendering one; None without a template or when a plain character follows."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "Zq9Zq"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # templates may refuse this conversation (e.g. a required system turn): no end-of-turn known
+        return None
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = ids[0] in tokenizer.all_special_ids or (ids[0] in added and added[ids[0]].special)
+    return ids[0] if special else None
 
 
 def format_prompt(tokenizer, prompt: str, answer_format: str = "tags") -> str:

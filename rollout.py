@@ -68,13 +68,14 @@ class Rollout:
         )
 
 
-def completion_mask(completion_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
-    """(mask, truncated): mask is 1 up to and including the first EOS; a row without EOS is truncated.
+def completion_mask(completion_ids: Tensor, stop_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """(mask, truncated): mask is 1 up to and including the first stop token (any EOS id); a row without one is
+    truncated.
 
-    Works when pad == eos: only the first EOS counts, so the padding generate writes after it is masked out.
+    Works when pad == eos: only the first stop counts, so the padding generate writes after it is masked out.
     """
-    is_eos = completion_ids == eos_id  # (B, T)
-    seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly before this position
+    is_eos = torch.isin(completion_ids, completion_ids.new_tensor(stop_ids))  # (B, T)
+    seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # a stop strictly before this position
     return (~seen_before).long(), ~is_eos.any(dim=1)
 
 
@@ -88,12 +89,13 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     generate holds all B*T*V raw logits until it returns.
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)
+    stops = model.generation_config.eos_token_id  # every id that ends a completion (model.prepare)
+    sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)  # the only processor: temperature
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
                          output_logits=keep_logprobs, return_dict_in_generate=True)
     completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
-    mask, truncated = completion_mask(completion, tokenizer.eos_token_id)
+    mask, truncated = completion_mask(completion, stops)
     ro = Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)
     if keep_logprobs:  # out.logits: T raw (B, V) logits, before temperature or any other processor
         ro.sampler_logp, ro.sampler_entropy = token_logprobs(torch.stack(out.logits, dim=1), completion,

@@ -2,12 +2,15 @@
 EOS ids, the generation config, and the smaller things a hub model brings (tests/gpu_check.py runs the rest on a GPU).
 """
 
+import json
+
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 import train
-from conftest import SMALL_ARGS
+from conftest import SMALL_ARGS, metrics_without_timing
 
 
 class PretendAccelerator(TorchFunctionMode):
@@ -127,3 +130,148 @@ def test_bf16_forwards_compute_in_bf16_under_autocast(tiny_policy_dir):
         next(copy.parameters()).add_(1.0)
     assert not torch.equal(copy(input_ids=ids).logits, policy(input_ids=ids).logits)
     assert train.precision(policy) == "bfloat16 autocast, float32 weights"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stop ids: Qwen- and Llama-3-shaped tokenizers built offline, base and instruct (issue 39.4)
+# ---------------------------------------------------------------------------------------------------------------
+
+QWEN_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}"
+                 "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+SHAPES = {  # family: (special tokens, template, eos of the base / instruct tokenizer, generation_config eos ids by name)
+    "qwen": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_TEMPLATE, "<|endoftext|>", "<|im_end|>",
+             ["<|endoftext|>"], ["<|im_end|>", "<|endoftext|>"], "<|im_end|>"),
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                "<|eot_id|>"], LLAMA3_TEMPLATE, "<|end_of_text|>", "<|eot_id|>",
+               ["<|end_of_text|>"], ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "<|eot_id|>"),
+}
+
+
+def shaped(family: str, variant: str):
+    """(tokenizer, generation config eos ids, end-of-turn id) of a hub-shaped family, over the embedded characters."""
+    import model as models
+    from transformers import GenerationConfig
+
+    specials, template, base_eos, instruct_eos, base_gen, instruct_gen, turn_end = SHAPES[family]
+    tok = models.build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    tok.eos_token = base_eos if variant == "base" else instruct_eos
+    if family == "llama3":
+        tok.bos_token = "<|begin_of_text|>"
+    ids = tok.convert_tokens_to_ids
+    gen = GenerationConfig(eos_token_id=[ids(t) for t in (base_gen if variant == "base" else instruct_gen)])
+    return tok, gen, ids(turn_end)
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama3"])
+@pytest.mark.parametrize("variant", ["base", "instruct"])
+def test_stop_ids_hold_every_eos_and_the_templates_end_of_turn(family, variant):
+    import model as models
+
+    tok, gen, turn_end = shaped(family, variant)
+    assert models.end_of_turn_id(tok) == turn_end
+    stops = models.stop_ids(gen, tok)
+    assert turn_end in stops and tok.eos_token_id in stops and set(gen.eos_token_id) <= set(stops)
+
+
+def model_that_always_says(tok, token_id: int):
+    """A random Llama whose every next token is `token_id` (the residual stream carries only the embedding, whose
+    dimension 0 is 1; the final norm keeps that dimension; the head maps it to `token_id`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=128, tie_word_embeddings=False,
+                                         pad_token_id=tok.pad_token_id))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token_id, 0] = 100.0
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama3"])
+def test_a_base_model_through_its_template_stops_at_the_end_of_turn(family, tmp_path):
+    """The R1-Zero set-up: a base checkpoint (EOS <|endoftext|> / <|end_of_text|>) prompted through its chat
+    template ends its turn with <|im_end|> / <|eot_id|>; before, that token did not stop generation and the model
+    wrote made-up turns until the budget."""
+    import model as models
+    import rollout
+
+    tok, gen, turn_end = shaped(family, "base")
+    policy = model_that_always_says(tok, turn_end)
+    policy.generation_config = gen
+    policy, tok = models.prepare(policy, tok, torch.device("cpu"))
+    prompt = models.format_prompt(tok, "2 + 3 =", "tags")
+    for greedy in (True, False):
+        ro = rollout.generate(policy, tok, [prompt] * 2, max_new_tokens=16, greedy=greedy)
+        assert ro.completion_ids[:, 0].tolist() == [turn_end] * 2
+        assert ro.lengths.tolist() == [1, 1] and not ro.truncated.any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Only temperature acts (issue 34.1)
+# ---------------------------------------------------------------------------------------------------------------
+
+PROCESSORS = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_p=0.2, top_k=5, top_p=0.5, temperature=0.3,
+                  typical_p=0.6, do_sample=True)
+
+
+def with_processors(model_dir, out):
+    """A copy of a model folder whose generation_config.json asks for several logits processors."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, **PROCESSORS}))
+    return out
+
+
+def test_generate_samples_from_the_raw_logits_over_temperature(tiny_policy_dir, tmp_path, monkeypatch):
+    """The scores generate sampled from are the model's logits / temperature, whatever generation_config.json says."""
+    import model as models
+    import rollout
+
+    policy, tok = models.load_model(str(with_processors(tiny_policy_dir, tmp_path / "m")), torch.device("cpu"),
+                                    torch.float32)
+    seen = []
+    real = policy.generate
+
+    def generate_with_scores(*a, **kw):
+        out = real(*a, **{**kw, "output_scores": True, "output_logits": True})
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(policy, "generate", generate_with_scores)
+    torch.manual_seed(0)
+    rollout.generate(policy, tok, ["7 mod 3 =", "47 mod 13 ="] * 4, max_new_tokens=12, temperature=0.7)
+    out = seen[0]
+    assert len(out.scores) > 1
+    for scores, logits in zip(out.scores, out.logits):
+        torch.testing.assert_close(scores, logits / 0.7, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_model_folder_with_processors_trains_bit_identically_to_a_plain_copy(tiny_policy_dir, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_policy_dir, plain)
+    processed = with_processors(tiny_policy_dir, tmp_path / "processed")
+    rows = []
+    for model_dir in (plain, processed):
+        args = train.Args(**{**SMALL_ARGS, "model": str(model_dir), "output_dir": str(tmp_path / "runs"),
+                             "total_steps": 2, "run_name": model_dir.name, "save_model": False})
+        train.train(args)
+        rows.append(metrics_without_timing(tmp_path / "runs" / model_dir.name))
+    assert rows[0] == rows[1] and len(rows[0]) == 3

@@ -10,7 +10,7 @@ EOS = 1
 
 def test_mask_keeps_the_first_eos_and_drops_what_follows():
     ids = torch.tensor([[5, 6, EOS, 0, 0], [5, 6, 7, 8, 9], [EOS, 0, 0, 0, 0]])
-    mask, truncated = rollout.completion_mask(ids, EOS)
+    mask, truncated = rollout.completion_mask(ids, [EOS])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert truncated.tolist() == [False, True, False]
 
@@ -18,7 +18,7 @@ def test_mask_keeps_the_first_eos_and_drops_what_follows():
 def test_mask_when_pad_equals_eos():
     # generate pads with EOS after the first EOS; only the first one is part of the completion
     ids = torch.tensor([[5, EOS, EOS, EOS], [EOS, EOS, EOS, EOS], [5, 6, 7, EOS]])
-    mask, truncated = rollout.completion_mask(ids, EOS)
+    mask, truncated = rollout.completion_mask(ids, [EOS])
     assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     assert not truncated.any()
 
