@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 import re
 import sys
@@ -127,10 +128,17 @@ class World:
         if self.distributed:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
-                policy, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+                policy, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync())
 
 
 SINGLE = World()
+
+
+def no_buffer_sync(ddp_class=None) -> dict:
+    """DDP's switch for not re-broadcasting buffers at every forward (the policy's buffers, rotary tables, never
+    change): `forward_sync_buffers` from torch 2.13, `broadcast_buffers` before (deprecated since)."""
+    params = inspect.signature(ddp_class or torch.nn.parallel.DistributedDataParallel).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def world_size() -> int:

@@ -195,15 +195,16 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
-AUTO_MICRO_BATCH: dict[int, int] = {}  # rows of an optimizer step -> micro-batch size that fits
+AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> micro-batch size that fits
 
 
-def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
+def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1, key: int | str | None = None):
     """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
     each out-of-memory error, calls `reset` (drop the partial gradient) and retries at half; the size that fits is
-    remembered for the rest of the process, per `rows`. Over several processes an error is raised instead: one
-    rank retrying alone would leave the others waiting in the gradient all-reduce."""
-    micro = fixed or AUTO_MICRO_BATCH.get(rows, rows)
+    remembered for the rest of the process, per `key` (default: `rows`). Over several processes an error is raised
+    instead: one rank retrying alone would leave the others waiting in the gradient all-reduce."""
+    key = rows if key is None else key
+    micro = fixed or min(rows, AUTO_MICRO_BATCH.get(key, rows))
     while True:
         try:
             return run(micro)
@@ -212,7 +213,7 @@ def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1):
                 raise
             reset()
             free_cached_memory()
-            micro = AUTO_MICRO_BATCH[rows] = micro // 2
+            micro = AUTO_MICRO_BATCH[key] = micro // 2
             print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
 
 

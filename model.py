@@ -151,7 +151,20 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         raise ModelError(f"could not load model {name!r}: {first}")
     if "gguf_file" in kwargs:  # dequantised to `dtype` on load but still flagged as quantised, which Trainer refuses
         model.is_quantized, model.hf_quantizer = False, None
-    return prepare(model, tokenizer, device)
+    return prepare(without_dropout(model), tokenizer, device)
+
+
+def without_dropout(model):
+    """Dropout off everywhere (GPT-2, OPT and Phi have it on by default): pi_old, the reference and the update must
+    score a sequence with the same function, or the ratio of an unchanged policy is not 1. Modules read it from
+    nn.Dropout or from a float attribute (Llama's attention_dropout, OPT's dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
 
 
 def enable_checkpointing(model) -> None:
@@ -272,12 +285,21 @@ def end_of_turn_id(tokenizer) -> int | None:
     return ids[0] if special else None
 
 
-def format_prompt(tokenizer, prompt: str, answer_format: str = "tags") -> str:
+TEMPLATE_DATE = "26 Jul 2024"  # for templates that write a date (Llama 3.x): the same prompts on every day
+
+
+def format_prompt(tokenizer, prompt: str, answer_format: str = "tags", enable_thinking: bool = False) -> str:
     """A model with a chat template gets the prompt as a user turn, told where the verifier will look for the
-    answer (rewards.INSTRUCTIONS); the embedded model sees the bare prompt."""
+    answer (rewards.INSTRUCTIONS), with thinking off unless asked (Qwen3's template thinks by default, and a chain
+    of thought outgrows the usual budgets) and a fixed date; a model without one sees the bare prompt, after its BOS
+    if its tokenizer adds one (rollout.generate tokenizes without special tokens). The embedded model has neither."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{prompt}\n{rewards.INSTRUCTIONS[answer_format]}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=enable_thinking, date_string=TEMPLATE_DATE)
+    bos = tokenizer.bos_token
+    if bos and tokenizer("1")["input_ids"][:1] == [tokenizer.bos_token_id] and not prompt.startswith(bos):
+        return bos + prompt
     return prompt
 
 

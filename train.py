@@ -167,6 +167,8 @@ class Args:
     """L_cache: the punishment ramps from 0 to -1 over the last this-many tokens before max_new_tokens"""
     format_weight: float = 0.1
     """weight of the format term (the answer where --answer-format puts it, ending the completion)"""
+    enable_thinking: bool = False
+    """let a chat template that can think (Qwen3) open a thinking block; off, as most budgets here are too short"""
     answer_format: Literal["tags", "last-number", "boxed"] = "tags"
     """where the verifier reads the answer: tags (<answer>...</answer>, the embedded tasks), last-number (the last
     number, GSM8K-style prose), boxed (the last \\boxed{}, compared by math-verify); chat prompts are told the same"""
@@ -332,7 +334,7 @@ class Batch:
 def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False,
                        keep_logprobs: bool = False) -> Batch:
     """One completion per row, decoded up to its first EOS and scored by every reward term."""
-    prompts = [models.format_prompt(tokenizer, ex.prompt, args.answer_format) for ex in rows]
+    prompts = [models.format_prompt(tokenizer, ex.prompt, args.answer_format, args.enable_thinking) for ex in rows]
     ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy,
                           keep_logprobs=keep_logprobs)
     valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
@@ -604,10 +606,14 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     mine = examples[world.rank::world.size]
     correct, reward, sample = [], [], None
     for i in range(0, len(mine), chunk):
-        scored = generate_and_score(policy, tokenizer, mine[i:i + chunk], args, greedy=True)
-        correct += scored.scores["correct"]
-        reward += scored.scores["reward"]
-        sample = sample or (mine[i].prompt, scored.texts[0], mine[i].answer, bool(scored.scores["correct"][0]))
+        rows = mine[i:i + chunk]
+        parts = lifecycle.shrink_on_oom(  # PLUMBING: in smaller pieces after an out-of-memory error
+            lambda n: [generate_and_score(policy, tokenizer, rows[j:j + n], args, greedy=True)
+                       for j in range(0, len(rows), n)], len(rows), 0, lambda: None, world.size, key="evaluate")
+        for scored in parts:
+            correct += scored.scores["correct"]
+            reward += scored.scores["reward"]
+        sample = sample or (rows[0].prompt, parts[0].texts[0], rows[0].answer, bool(parts[0].scores["correct"][0]))
     sums = [float(np.sum(correct)), float(np.sum(reward))]
     if args.eval_samples:
         n = args.eval_samples

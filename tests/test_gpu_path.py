@@ -275,3 +275,192 @@ def test_a_model_folder_with_processors_trains_bit_identically_to_a_plain_copy(t
         train.train(args)
         rows.append(metrics_without_timing(tmp_path / "runs" / model_dir.name))
     assert rows[0] == rows[1] and len(rows[0]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi_old, the reference and evaluation in micro-batches, halved on out-of-memory (issue 39.2, 39.5)
+# ---------------------------------------------------------------------------------------------------------------
+
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"  # as the CPU says it
+
+
+def test_pi_old_and_reference_passes_fit_a_device_that_holds_two_rows(tmp_path, tiny_policy_dir, monkeypatch, capsys):
+    """Before, pi_old (recomputed) and the reference were scored over the whole rollout in one forward, outside the
+    halving: a device that fits 2 rows died at step 1. Now they compute what --micro-batch-size 2 computes."""
+    import lifecycle
+
+    common = dict(algo="grpo", old_logprobs="recompute", total_steps=2, save_model=False)  # beta 0.04: a reference
+    fixed = tmp_path / "fixed"
+    train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(fixed),
+                              "micro_batch_size": 2}))
+    real = train.logprobs_of
+
+    def small_device(policy, ro, rows, args, with_entropy=False):
+        if len(rows) > 2:
+            raise RuntimeError(OOM)
+        return real(policy, ro, rows, args, with_entropy)
+
+    monkeypatch.setattr(train, "logprobs_of", small_device)
+    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
+    auto = tmp_path / "auto"
+    train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(auto)}))
+    assert "out of memory at 8 rows" in capsys.readouterr().out
+    a, b = (metrics_without_timing(d / "grpo-s0") for d in (auto, fixed))
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
+
+
+def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys):
+    import lifecycle
+
+    args, _ = train.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "eval_size": 16}))
+    policy, tok = train.load_policy(args)
+    test_set = train.load_data(args)[1][:16]
+    whole, _ = train.evaluate(policy, tok, test_set, args)
+    real = train.generate_and_score
+
+    def small_device(policy, tokenizer, rows, args, greedy=False, keep_logprobs=False):
+        if len(rows) > 4:
+            raise RuntimeError(OOM)
+        return real(policy, tokenizer, rows, args, greedy, keep_logprobs)
+
+    monkeypatch.setattr(train, "generate_and_score", small_device)
+    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
+    halved, _ = train.evaluate(policy, tok, test_set, args)
+    assert halved == whole and "out of memory at 8 rows" in capsys.readouterr().out
+
+
+PEAK_SCRIPT = r"""
+import resource, sys, torch
+sys.path.insert(0, ".")
+import train, rollout
+from transformers import LlamaConfig, LlamaForCausalLM
+rows, micro, vocab, T = (int(a) for a in sys.argv[1:5])
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+ids = torch.randint(vocab, (rows, 8 + T))
+ro = rollout.Rollout(ids[:, :8], torch.ones(rows, 8, dtype=torch.long), ids[:, 8:], torch.ones(rows, T, dtype=torch.long),
+                     torch.zeros(rows, dtype=torch.bool))
+args = train.Args(num_minibatches=2, micro_batch_size=micro, old_logprobs="recompute", lr=1e-3)
+args, cfg = train.resolve(args)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+batch = train.Batch(ro, [None] * rows, {}, [""] * rows)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+train.update(model, None, opt, sched, batch, torch.randn(rows), cfg, args, torch.Generator().manual_seed(0))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB above the start-up's peak
+"""
+
+
+@pytest.mark.slow
+def test_the_updates_peak_memory_grows_with_the_micro_batch_not_with_the_rollout(tmp_path):
+    """On a 32,000-token vocabulary (each row's logits 8 MB in fp32 at 64 tokens), an update with pi_old recomputed
+    at 4 rows per forward peaks alike over 16 and 64 rollout rows (measured: 89 and 89 MiB above start-up; 32 rows
+    per forward: 531 MiB). Before, pi_old was scored over the whole rollout in one forward: 509 and 2017 MiB."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}  # freed blocks leave RSS
+
+    def peak(rows, micro):
+        out = subprocess.run([sys.executable, str(script), str(rows), str(micro), "32000", "64"], env=env,
+                             capture_output=True, text=True, cwd=os.path.dirname(train.__file__), timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    small, large, whole = peak(16, 4), peak(64, 4), peak(64, 32)
+    assert large < 1.2 * small + 30, (small, large)  # 4x the rows, the same micro-batch
+    assert whole > large + 200, (large, whole)  # the check can see a larger micro-batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The smaller things a hub model brings (issue 39.5)
+# ---------------------------------------------------------------------------------------------------------------
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not "
+                     "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+DATED_TEMPLATE = ("{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+                  "Today Date: {{ date_string }}\n{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+
+def test_thinking_is_off_unless_asked_and_dated_templates_get_a_fixed_date():
+    import model as models
+
+    tok = models.build_tokenizer()
+    tok.chat_template = THINKING_TEMPLATE
+    assert "<think>\n\n</think>" in models.format_prompt(tok, "2 + 3 =")  # Qwen3's way of not thinking
+    assert "<think>" not in models.format_prompt(tok, "2 + 3 =", enable_thinking=True)
+    tok.chat_template = DATED_TEMPLATE
+    assert f"Today Date: {models.TEMPLATE_DATE}" in models.format_prompt(tok, "2 + 3 =")
+    assert train.Args().enable_thinking is False
+
+
+def test_a_template_less_model_whose_tokenizer_adds_bos_gets_it():
+    import model as models
+
+    tok = models.build_tokenizer()
+    assert models.format_prompt(tok, "7 mod 3 =") == "7 mod 3 ="  # the embedded model: no BOS, no change
+    from tokenizers import processors
+
+    tok.add_special_tokens({"bos_token": "<s>"})
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tok.bos_token_id)])
+    assert tok("1")["input_ids"][0] == tok.bos_token_id  # like Llama-2 or Mistral's tokenizers
+    prompt = models.format_prompt(tok, "7 mod 3 =")
+    assert prompt == "<s>7 mod 3 =" and tok(prompt, add_special_tokens=False)["input_ids"][0] == tok.bos_token_id
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_dropout_is_off_so_an_unchanged_policy_scores_alike_twice(family, tmp_path):
+    """GPT-2 and OPT keep dropout in their configs (0.1 by default); in train mode it made pi_old and the update
+    score one sequence differently, so the ratio of an unchanged policy was not 1."""
+    import model as models
+    from transformers import AutoModelForCausalLM, GPT2Config, OPTConfig
+
+    config = (GPT2Config(vocab_size=120, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
+                         attn_pdrop=0.5, bos_token_id=1, eos_token_id=1) if family == "gpt2" else
+              OPTConfig(vocab_size=120, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                        word_embed_proj_dim=32, dropout=0.5, attention_dropout=0.5))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok = models.build_tokenizer()
+    tok.save_pretrained(tmp_path)
+    policy, _ = models.load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    policy.train()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
+
+
+def test_ddp_turns_buffer_sync_off_by_the_name_its_torch_knows():
+    import ddp
+
+    class Old:  # torch 2.4-2.12's DistributedDataParallel
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            pass
+
+    class New:
+        def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+            pass
+
+    assert ddp.no_buffer_sync(Old) == {"broadcast_buffers": False}
+    assert ddp.no_buffer_sync(New) == {"forward_sync_buffers": False}
+    assert ddp.no_buffer_sync() == {"forward_sync_buffers": False}  # torch 2.13, installed here
+
+
+def test_auto_dtype_takes_bf16_only_where_it_is_native(monkeypatch):
+    """T4 and V100 report bf16 as supported by emulation (slow); auto then computes in fp32."""
+    import model as models
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert models.pick_dtype(torch.device("cuda")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert models.pick_dtype(torch.device("cuda")) == torch.bfloat16
+    assert models.pick_dtype(torch.device("cpu")) == torch.float32
