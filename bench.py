@@ -47,8 +47,8 @@ class BenchArgs:
     steps: int = 0
     """timed RL steps per process (after one warm-up step); 0: the config's default"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """the precision of both sides: the weights both load, and TRL's bf16 flag to match (fp32 on CPU; bf16 on a GPU
-    that has it)"""
+    """the precision both sides compute in: bf16 is autocast over fp32 weights on both (ours: --dtype bfloat16; TRL:
+    bf16=True); fp32 on a CPU, bf16 on a GPU that has it natively"""
     device: str = "auto"
     """cpu or cuda for both sides; auto: cuda when there is one"""
     sides: tuple[str, ...] = ("ours", "trl")
@@ -112,6 +112,7 @@ def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
 
 
 def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: str = "auto") -> dict:
+    import model as models
     import train
 
     args, loss_cfg = our_args(cfg, dtype, device, old_logprobs)
@@ -131,7 +132,8 @@ def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: st
             rows.append({"step_s": m["perf/rollout_s"] + m["perf/update_s"], "gen_tok_s": m["perf/gen_tokens_per_s"],
                          "update_tok_s": tokens / m["perf/update_s"],
                          "update_flops": flops_per_token * tokens / m["perf/update_s"]})
-    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params, **arithmetic(policy, autocast=False)}
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params,
+            **arithmetic(policy, autocast=models.compute_dtype(policy) == torch.bfloat16)}
 
 
 def arithmetic(policy, autocast: bool) -> dict:
@@ -178,7 +180,8 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
     import task
 
     ours, _ = our_args(cfg, dtype, device)
-    policy, tokenizer = models.load_model(model_name(cfg), torch.device(device), getattr(torch, dtype))
+    # fp32 weights on both sides: ours computes bf16 under autocast over them (model.compute_in), TRL's bf16=True too
+    policy, tokenizer = models.load_model(model_name(cfg), torch.device(device), torch.float32)
     train_set, _ = task.default_splits(instruct=instruct(cfg))
     # the very prompt strings our trainer sends (chat template applied where the model has one)
     data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt, ours.answer_format),
