@@ -41,6 +41,17 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
                                       "advantage compares completions of the same prompt"),
     (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.rollout_correction != "off" and a.old_logprobs == "sampler",
+     "--rollout-correction {rollout_correction} reweights by pi_old / mu, which is 1 when pi_old is the sampler's own "
+     "log-probs; use --old-logprobs recompute (or auto)"),
+    (lambda a: a.rollout_correction != "off" and a.rollout_correction_min is None and a.rollout_correction_max is None,
+     "--rollout-correction {rollout_correction} needs a bound: set --rollout-correction-max (TRL's default 3) or "
+     "--rollout-correction-min"),
+    (lambda a: any(c is not None and not c > 0 for c in (a.rollout_correction_min, a.rollout_correction_max))
+     or None not in (a.rollout_correction_min, a.rollout_correction_max)
+     and not a.rollout_correction_min < a.rollout_correction_max,
+     "--rollout-correction-min {rollout_correction_min} and --rollout-correction-max {rollout_correction_max} must be "
+     "> 0 with min < max"),
     (lambda a: a.threads < 0, "--threads must be >= 0 (got {threads}); 0 keeps torch's default"),
     (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
     (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),

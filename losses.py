@@ -37,6 +37,7 @@ The successors keep these axes and change the surrogate itself (`surrogate`, see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -247,6 +248,28 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) ->
     raise ValueError(f"unknown loss_agg_mode {mode!r}; use seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
 
 
+def rollout_correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str,
+                               c_min: float | None = None, c_max: float | None = 3.0) -> Tensor:
+    """Train-inference mismatch correction: w = pi_old / mu, mu the distribution the sampler drew from (a cached
+    bf16 decode, an inference engine), pi_old the trainer's recomputed one; the per-token loss is multiplied by w.
+    As TRL 1.16's vLLM importance-sampling correction (GRPOTrainer._generate_and_score_completions):
+
+        token_*     w_it = exp(log pi_old(y_it) - log mu(y_it))                  (B, T)
+        sequence_*  w_i = exp(sum_t (log pi_old(y_it) - log mu(y_it)))           (B, 1), the product of token ratios
+        *_truncate  w <- clamp(w, c_min, c_max)                                  truncated IS (TIS)
+        *_mask      w <- 0 where w < c_min or w > c_max                          masked IS (MIS; IcePop per token)
+
+    No gradient flows through w (both log-probs are fixed for the update)."""
+    diff = (old_logp - sampler_logp) * mask  # (B, T)
+    level, kind = mode.split("_")
+    w = torch.exp(diff.sum(-1, keepdim=True) if level == "sequence" else diff)  # (B, 1) or (B, T)
+    if kind == "truncate":
+        return torch.clamp(w, min=c_min, max=c_max)
+    low = -math.inf if c_min is None else c_min
+    high = math.inf if c_max is None else c_max
+    return w.masked_fill((w < low) | (w > high), 0.0)
+
+
 def policy_loss(
     logp: Tensor,  # (B, T) log pi_theta of the completion tokens, with gradient
     old_logp: Tensor,  # (B, T) log pi_old, the sampling policy before this rollout's first update
@@ -256,6 +279,7 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
     diagnostics: bool = True,  # False skips them (the training loop computes them once over the whole update)
+    rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped policy-gradient loss of one micro-batch, and its diagnostics.
 
@@ -272,6 +296,8 @@ def policy_loss(
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
     check_config(cfg, per_token_advantages=advantages.dim() == 2)
     per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
+    if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
+        per_token = per_token * rollout_weight
     if cfg.beta > 0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
@@ -401,6 +427,25 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     for name, preset in PRESETS.items():
         diag[f"clip/shadow_{name}"] = clip_fraction_of(preset, log_ratio, adv_tok, mask)
     return diag
+
+
+MISMATCH_TOKEN = 0.2  # |log pi_old - log mu| beyond GRPO's clip range, roughly (log 1.2 = 0.18, -log 0.8 = 0.22)
+MISMATCH_SEQ = 3e-4  # |mean_t log pi_old - log mu| beyond GSPO's clip range: clipped at theta = theta_old
+
+
+def mismatch_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train-inference mismatch, d_it = log pi_old(y_it) - log mu(y_it) over valid tokens: mean and max |d|, the k3
+    estimate of KL(mu || pi_old) (tokens are drawn from mu: E_mu[(r - 1) - log r], r = pi_old / mu), the spread of
+    the sequences' mean d (GSPO's log s_i at theta = theta_old), and the fractions beyond the thresholds above."""
+    d = (old_logp - sampler_logp) * mask  # (B, T)
+    valid = mask > 0
+    seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return {"mismatch/abs_mean": masked_mean(d.abs(), mask), "mismatch/abs_max": float(d.abs().max()),
+            "mismatch/kl_k3": masked_mean(torch.expm1(d) - d, mask),
+            "mismatch/seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
+            "mismatch/seq_abs_max": float(seq.abs().max()),
+            "mismatch/token_frac": float((d.abs() > MISMATCH_TOKEN)[valid].float().mean()),
+            "mismatch/seq_frac": float((seq.abs() > MISMATCH_SEQ).float().mean())}
 
 
 def length_bucket_stats(logp: Tensor, old_logp: Tensor, mask: Tensor, num_buckets: int = 4) -> list[dict]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
 @dataclass
@@ -24,8 +25,8 @@ class Rollout:
     completion_ids: Tensor  # (B, T) right-padded (whatever follows the first EOS)
     completion_mask: Tensor  # (B, T) 1 up to and including the first EOS
     truncated: Tensor  # (B,) no EOS within max_new_tokens
-    sampler_logp: Tensor | None = None  # (B, T) log pi_old(y_t) from the logits generate sampled from, if kept
-    sampler_entropy: Tensor | None = None  # (B, T) entropy of those same distributions, if kept
+    sampler_logp: Tensor | None = None  # (B, T) log mu(y_t), mu the distribution generate sampled from (not greedy)
+    sampler_entropy: Tensor | None = None  # (B, T) entropy of those same distributions
 
     @property
     def input_ids(self) -> Tensor:  # (B, Lp + T)
@@ -79,27 +80,56 @@ def completion_mask(completion_ids: Tensor, stop_ids: list[int]) -> tuple[Tensor
     return (~seen_before).long(), ~is_eos.any(dim=1)
 
 
+class SamplerLogprobs(LogitsProcessor):
+    """Records log mu(y_t) and the entropy of mu, the distribution `generate` samples each token from (its logits /
+    temperature: the only processor, see model.prepare), one step at a time. Called at step t+1 with the token drawn
+    at step t as the last input id, it keeps one (B, V) row of log-probs between calls instead of generate's whole
+    (B, T, V) logits. Custom processors run before generate's temperature warper, hence the division here (the test
+    against the stacked raw logits checks that order)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.pending, self.logp, self.entropy = temperature, None, [], []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:  # (B, L), (B, V)
+        self.take(input_ids[:, -1])
+        x = scores.float() / self.temperature  # (B, V)
+        logz = torch.logsumexp(x, dim=-1, keepdim=True)  # (B, 1)
+        self.pending = x - logz  # log mu(. | y_<t)
+        self.entropy.append(logz.squeeze(-1) - (torch.softmax(x, dim=-1) * x).sum(-1))  # H = log Z - E_mu[logit]
+        return scores
+
+    def take(self, drawn: Tensor) -> None:  # (B,) the tokens drawn from the pending distribution
+        if self.pending is not None:
+            self.logp.append(self.pending.gather(-1, drawn.unsqueeze(-1)).squeeze(-1))
+            self.pending = None
+
+    def result(self, completion: Tensor) -> tuple[Tensor, Tensor]:  # (B, T) each
+        self.take(completion[:, -1])
+        return torch.stack(self.logp, dim=1), torch.stack(self.entropy, dim=1)
+
+
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-             greedy: bool = False, keep_logprobs: bool = False) -> Rollout:
+             greedy: bool = False) -> Rollout:
     """One completion per prompt string (repeat a prompt G times to get a group).
 
-    With `keep_logprobs`, the log-probs and entropies of the sampled tokens are taken from the very logits the
-    sampler drew from: that *is* pi_old, so the update needs no forward pass to recompute it. The price is that
-    generate holds all B*T*V raw logits until it returns.
+    A sampled rollout keeps the log-probs and entropies of its tokens under mu, the distribution the sampler drew
+    from (SamplerLogprobs): pi_old itself when the update takes it from the sampler (--old-logprobs sampler), and
+    what the recomputed pi_old is compared with otherwise (train-inference mismatch, rollout correction).
     """
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     stops = model.generation_config.eos_token_id  # every id that ends a completion (model.prepare)
     sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)  # the only processor: temperature
+    recorder = None if greedy else SamplerLogprobs(temperature)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
-                         output_logits=keep_logprobs, return_dict_in_generate=True)
+                         logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                         return_dict_in_generate=True)
     completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
     mask, truncated = completion_mask(completion, stops)
     ro = Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)
-    if keep_logprobs:  # out.logits: T raw (B, V) logits, before temperature or any other processor
-        ro.sampler_logp, ro.sampler_entropy = token_logprobs(torch.stack(out.logits, dim=1), completion,
-                                                             temperature, with_entropy=True)
+    if recorder is not None:
+        ro.sampler_logp, ro.sampler_entropy = recorder.result(completion)
     return ro.to("cpu")  # host-side from here on (see Rollout)
 
 

@@ -105,11 +105,19 @@ class Args:
     num_epochs: int = 1
     """passes over each rollout"""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
-    """where pi_old comes from when a rollout feeds several updates. sampler: the logits generate drew from (no
-    extra forward pass, but generate holds all P*G*T*V logits); recompute: one forward pass over the rollout
-    before the first update (as TRL and verl do); auto: sampler in fp32 when those logits fit in 1 GiB, else
-    recompute. In bf16 a cached decode and a full forward round differently by more than GSPO's clip range (23% of
-    the default rollout's sequences, measured), so auto recomputes there."""
+    """where pi_old comes from when a rollout feeds several updates. sampler: the log-probs of the distributions
+    generate drew from (no extra forward pass); recompute: forward passes over the rollout before the first update
+    (as TRL and verl do), then compared with the sampler's every step (mismatch/ metrics); auto: sampler in fp32,
+    recompute in bf16 (a cached decode and a full forward round differently by more than GSPO's clip range: 23% of
+    the default rollout's sequences, measured) and with --rollout-correction"""
+    rollout_correction: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "off"
+    """reweight each token's loss by w = pi_old / mu, mu the sampler's distribution (TRL's vLLM importance-sampling
+    correction): per token or per sequence (the product over its tokens); truncate caps w to [min, max], mask
+    drops a unit whose w is outside it (IcePop/MIS). Needs pi_old recomputed"""
+    rollout_correction_max: float | None = 3.0
+    """C_max of --rollout-correction (TRL's default 3); None: no upper bound"""
+    rollout_correction_min: float | None = None
+    """C_min of --rollout-correction; None: no lower bound (TRL's default)"""
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
     each out-of-memory error)"""
@@ -331,12 +339,10 @@ class Batch:
     texts: list[str]
 
 
-def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False,
-                       keep_logprobs: bool = False) -> Batch:
+def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False) -> Batch:
     """One completion per row, decoded up to its first EOS and scored by every reward term."""
     prompts = [models.format_prompt(tokenizer, ex.prompt, args.answer_format, args.enable_thinking) for ex in rows]
-    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy,
-                          keep_logprobs=keep_logprobs)
+    ro = rollout.generate(policy, tokenizer, prompts, args.max_new_tokens, args.temperature, greedy=greedy)
     valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
     texts = tokenizer.batch_decode(valid, skip_special_tokens=True)
     scores = rewards.score(texts, [ex.answer for ex in rows], ro.lengths.tolist(), ro.truncated.tolist(),
@@ -347,8 +353,7 @@ def generate_and_score(policy, tokenizer, rows: list[task.Example], args: Args, 
 
 def sample_batch(policy, tokenizer, examples: list[task.Example], args: Args) -> Batch:
     """G sampled completions per prompt, each group in consecutive rows."""
-    return generate_and_score(policy, tokenizer, [ex for ex in examples for _ in range(args.num_generations)], args,
-                              keep_logprobs=old_from_sampler(policy, args))
+    return generate_and_score(policy, tokenizer, [ex for ex in examples for _ in range(args.num_generations)], args)
 
 
 def is_on_policy(args: Args) -> bool:
@@ -357,13 +362,12 @@ def is_on_policy(args: Args) -> bool:
 
 
 def old_from_sampler(policy, args: Args) -> bool:
-    """Whether pi_old's log-probs are kept from generate's logits instead of recomputed (see Args.old_logprobs)."""
+    """Whether pi_old is the sampler's own log-probs instead of recomputed (see Args.old_logprobs)."""
     if is_on_policy(args):
         return False  # pi_old is never needed
     if args.old_logprobs != "auto":
         return args.old_logprobs == "sampler"
-    logit_bytes = args.num_prompts * args.num_generations * args.max_new_tokens * policy.config.vocab_size * 4
-    return models.compute_dtype(policy) == torch.float32 and logit_bytes <= 2**30
+    return models.compute_dtype(policy) == torch.float32 and args.rollout_correction == "off"
 
 
 def join(parts: list[Batch], pad_id: int) -> Batch:
@@ -475,6 +479,10 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     on_policy = is_on_policy(args)
     mb_size = b // args.num_minibatches
     old_logp = ref_logp = None
+    from_sampler = old_from_sampler(policy, args)
+    mu = None if from_sampler else ro.sampler_logp  # the sampler's log-probs, where pi_old is not them: (B, T)
+    correction = None if args.rollout_correction == "off" else (
+        args.rollout_correction, args.rollout_correction_min, args.rollout_correction_max)
 
     @torch.inference_mode()
     def score_all(model, micro: int, with_entropy: bool = False):
@@ -483,7 +491,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         return tuple(torch.cat(p) for p in zip(*parts)) if with_entropy else torch.cat(parts)
 
     # ALGO: pi_old and the reference policy, fixed for the whole update
-    if ro.sampler_logp is not None:  # pi_old as the sampler saw it
+    if from_sampler:  # pi_old as the sampler saw it
         old_logp, entropy = ro.sampler_logp, ro.sampler_entropy
     elif not on_policy:  # pi_old recomputed once, before the first update (on-policy: the ratio is 1 anyway)
         old_logp, entropy = lifecycle.shrink_on_oom(  # PLUMBING: in micro-batches, halved after out-of-memory
@@ -508,8 +516,12 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                     old = logp.detach()
                 else:
                     logp, old = logprobs_of(net, ro, rows, args), old_logp[rows]
+                # ALGO: --rollout-correction: w = pi_old / mu reweights each token's loss (losses.py)
+                weight = None if correction is None else losses.rollout_correction_weights(
+                    old, mu[rows], mask[rows], *correction)
                 loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                             None if ref_logp is None else ref_logp[rows], diagnostics=False)
+                                             None if ref_logp is None else ref_logp[rows], diagnostics=False,
+                                             rollout_weight=weight)
                 world.backward(loss)  # under torchrun: scaled so that DDP's average over ranks is the sum
             total += loss.item()
             scored.append((rows, logp.detach(), entropy_now))
@@ -535,26 +547,28 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
     diag = update_metrics(seen, None if on_policy else old_logp, None if on_policy else entropy, ref_logp, adv, mask,
-                          cfg, world)  # PLUMBING: what the update saw, for the logs
+                          cfg, world, mu, correction)  # PLUMBING: what the update saw, for the logs
     return {"losses/policy_loss": float(np.mean(step_losses)) if step_losses else float("nan"),
             "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "losses/entropy": diag.pop("losses/entropy"), "losses/skipped_updates": skipped, **diag}
 
 
 def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tensor, mask: torch.Tensor,
-                   cfg: LossConfig, world: World = SINGLE) -> dict:
+                   cfg: LossConfig, world: World = SINGLE, mu: torch.Tensor | None = None,
+                   correction: tuple | None = None) -> dict:
     """The GSPO paper's diagnostics over every row scored during the update (on every rank), each against pi_old:
     the statistics of the ratios the objective actually saw. `seen`: (rows, log-probs, entropy or None) per
     micro-batch; old_logp None means on-policy (the ratio is 1; the entropy is the one scored during the update),
-    else old_entropy is pi_old's over the whole rollout."""
+    else old_entropy is pi_old's over the whole rollout. With `mu` (the sampler's log-probs, where pi_old is
+    recomputed) also the train-inference mismatch, and with `correction` what --rollout-correction did."""
     on_policy = old_logp is None
     rows = torch.cat([r for r, _, _ in seen])
     new = torch.cat([lp for _, lp, _ in seen])  # (n, T)
     old_all = new if on_policy else old_logp[rows]
     entropy_seen = torch.cat([e for _, _, e in seen]) if on_policy else None
     kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
-    new, old_all, adv_seen, mask_seen, entropy_seen, kl = world.gather_rows(new, old_all, adv[rows], mask[rows],
-                                                                            entropy_seen, kl)
+    new, old_all, adv_seen, mask_seen, entropy_seen, kl, mu_seen = world.gather_rows(
+        new, old_all, adv[rows], mask[rows], entropy_seen, kl, None if mu is None else mu[rows])
     diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)
     metrics = {
         "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
@@ -563,6 +577,15 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
     }
     if kl is not None:
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
+    if mu_seen is not None:
+        metrics.update(losses.mismatch_metrics(old_all, mu_seen, mask_seen))
+    if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
+        w = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, *correction)
+        raw = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, correction[0].split("_")[0] + "_mask",
+                                                None, None)  # w itself, no bound
+        units = mask_seen if w.shape == mask_seen.shape else (mask_seen.sum(-1, keepdim=True) > 0).float()
+        metrics["correction/weight_mean"] = losses.masked_mean(w, units)
+        metrics["correction/changed_frac"] = losses.masked_mean((w != raw).float(), units)
     for q, bucket in enumerate(losses.length_bucket_stats(new, old_all, mask_seen), 1):
         metrics.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return metrics
@@ -905,7 +928,8 @@ def help_defaults() -> dict[str, str]:
             "lora_alpha": "(default: 2 x --lora-rank)",
             "run_name": "(default: <algo>[-<model>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
-            "resume": "(default: start a new run)", "wandb_group": "(default: none)"}
+            "resume": "(default: start a new run)", "wandb_group": "(default: none)",
+            "rollout_correction_min": "(default: no lower bound)"}
 
 
 def main(argv: list[str] | None = None) -> None:

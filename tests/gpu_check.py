@@ -110,7 +110,7 @@ def bf16_pi_old(device: str) -> None:
     args, _ = train.resolve(train.Args())
     prompts = [models.format_prompt(tok, ex.prompt) for ex in train.load_data(args)[0][:16] for _ in range(8)]
     torch.manual_seed(0)
-    ro = rollout.generate(policy, tok, prompts, args.max_new_tokens, keep_logprobs=True)
+    ro = rollout.generate(policy, tok, prompts, args.max_new_tokens)
     dev = ro.to(device)
     t = ro.completion_ids.shape[1]
     with torch.inference_mode():

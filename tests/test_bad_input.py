@@ -99,6 +99,10 @@ FLAGS = [
     (["--dtype", "float16", "--device", "cpu"], "--dtype float16 is not supported"),
     (["--dtype", "float16"], "--dtype float16 is not supported"),  # on every device (a GPU's weights turn NaN)
     (["--threads", "-1"], "--threads must be >= 0"),
+    (["--rollout-correction", "token_mask", "--old-logprobs", "sampler"], "which is 1 when pi_old is the sampler's"),
+    (["--rollout-correction", "token_mask", "--rollout-correction-max", "None"], "needs a bound"),
+    (["--rollout-correction-max", "0"], "must be > 0 with min < max"),
+    (["--rollout-correction-min", "4", "--rollout-correction-max", "3"], "must be > 0 with min < max"),
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
     (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),

@@ -75,6 +75,9 @@ def test_one_process_step_keeps_host_bookkeeping_on_the_host(tmp_path, tiny_poli
                 mode.inside_model = False
             for v in kw.values():
                 mode.put(v)
+            for processor in kw.get("logits_processor") or []:  # what a processor kept was made on the device
+                for t in pytree.tree_leaves(vars(processor)):
+                    mode.put(t)
             for t in pytree.tree_leaves(dict(out)):
                 mode.put(t)
             return out
@@ -322,10 +325,10 @@ def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys
     whole, _ = train.evaluate(policy, tok, test_set, args)
     real = train.generate_and_score
 
-    def small_device(policy, tokenizer, rows, args, greedy=False, keep_logprobs=False):
+    def small_device(policy, tokenizer, rows, args, greedy=False):
         if len(rows) > 4:
             raise RuntimeError(OOM)
-        return real(policy, tokenizer, rows, args, greedy, keep_logprobs)
+        return real(policy, tokenizer, rows, args, greedy)
 
     monkeypatch.setattr(train, "generate_and_score", small_device)
     monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})

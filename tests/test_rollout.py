@@ -80,7 +80,7 @@ def test_sampler_logprobs_equal_a_recomputed_forward(tiny_policy_dir, cpu):
     policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
     torch.manual_seed(0)
     prompts = ["7 mod 3 =", "47 mod 13 =", "100 mod 17 ="] * 2  # left-padded rows too
-    ro = rollout.generate(policy, tok, prompts, max_new_tokens=16, temperature=0.7, keep_logprobs=True)
+    ro = rollout.generate(policy, tok, prompts, max_new_tokens=16, temperature=0.7)
     with torch.no_grad():
         logp, ent = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1],
                                                 temperature=0.7, with_entropy=True)

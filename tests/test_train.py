@@ -111,7 +111,8 @@ class FakePolicy:
 @pytest.mark.parametrize("flags, policy, expected", [
     ({}, FakePolicy(100, torch.float32), True),
     ({}, FakePolicy(100, torch.bfloat16), False),  # a cached bf16 decode rounds differently from training's pass
-    ({}, FakePolicy(152_000, torch.float32), False),  # 128 x 64 x 152k fp32 logits = 4.6 GiB: recompute
+    ({}, FakePolicy(152_000, torch.float32), True),  # the sampler keeps one (B, V) row at a time: any vocabulary
+    ({"rollout_correction": "token_mask"}, FakePolicy(100, torch.float32), False),  # w = pi_old / mu needs both
     ({"old_logprobs": "sampler"}, FakePolicy(152_000, torch.bfloat16), True),
     ({"old_logprobs": "recompute"}, FakePolicy(100, torch.float32), False),
     ({"num_minibatches": 1}, FakePolicy(100, torch.float32), False),  # on-policy: pi_old is never needed
