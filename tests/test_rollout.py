@@ -1,5 +1,6 @@
 """Masks and log-probs: what the trainer scores must be what the sampler drew."""
 
+import pytest
 import torch
 
 import model as models
@@ -91,3 +92,35 @@ def test_sampler_logprobs_equal_a_recomputed_forward(tiny_policy_dir, cpu):
     seq_log_ratio = ((logp - ro.sampler_logp) * valid).sum(1) / valid.sum(1)  # GSPO's log s_i at theta = theta_old
     assert seq_log_ratio.abs().max() < 1e-5
     assert (ro.sampler_logp[valid] < 0).all()  # real log-probs, not zeros
+
+
+def test_sampler_logprobs_are_those_of_the_logits_generate_drew_from(tiny_policy_dir, cpu, monkeypatch):
+    """The recorder keeps one (B, V) row at a time; what it records equals log softmax(raw logits / T) at the drawn
+    tokens, taken from generate's own stacked logits, bit for bit (so it saw the logits before the temperature warper
+    and divided once), entropy included."""
+    policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
+    seen = []
+    real = policy.generate
+    monkeypatch.setattr(policy, "generate", lambda *a, **k: seen.append(real(*a, **{**k, "output_logits": True}))
+                        or seen[-1])
+    torch.manual_seed(0)
+    ro = rollout.generate(policy, tok, ["7 mod 3 =", "47 mod 13 ="] * 3, max_new_tokens=16, temperature=0.7)
+    logp, ent = rollout.token_logprobs(torch.stack(seen[0].logits, dim=1), ro.completion_ids, 0.7, with_entropy=True)
+    assert torch.equal(ro.sampler_logp, logp) and torch.equal(ro.sampler_entropy, ent)
+    greedy = rollout.generate(policy, tok, ["7 mod 3 ="], max_new_tokens=4, greedy=True)
+    assert greedy.sampler_logp is None  # greedy decoding samples from no distribution
+
+
+def test_mismatch_metrics_read_what_they_say():
+    import losses
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    mu = torch.full((2, 4), -1.0)
+    old = mu + torch.tensor([[0.3, -0.1, 0.1, 9.0], [1e-4, 2e-4, 0.0, 9.0]])  # the 9s are padding
+    m = losses.mismatch_metrics(old, mu, mask)
+    assert m["mismatch/abs_max"] == pytest.approx(0.3) and m["mismatch/abs_mean"] == pytest.approx(0.5003 / 5)
+    assert m["mismatch/token_frac"] == pytest.approx(1 / 5)  # only 0.3 is beyond 0.2
+    assert m["mismatch/seq_frac"] == pytest.approx(1 / 2)  # row 0's mean 0.1 > 3e-4; row 1's 1.5e-4 is not
+    d = torch.tensor([0.3, -0.1, 0.1, 1e-4, 2e-4])
+    assert m["mismatch/kl_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-5)
+    assert losses.mismatch_metrics(mu, mu, mask)["mismatch/kl_k3"] == 0.0

@@ -35,7 +35,7 @@ def ours(cfg, logp, old, adv, mask, max_new=T):
     return loss.item(), x.grad
 
 
-def trl(loss_type: str, logp, old, adv, mask, **config):
+def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, **config):
     """TRL 1.16's GRPOTrainer._compute_loss itself, on a stand-in for the trainer that holds only what it reads;
     its forward pass is replaced by our log-probs (so both sides differentiate the same leaf)."""
     from trl import GRPOTrainer
@@ -45,16 +45,17 @@ def trl(loss_type: str, logp, old, adv, mask, **config):
     args = SimpleNamespace(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None,
                            use_bias_correction_kl=False, steps_per_generation=1)
     fake = SimpleNamespace(
-        args=args, loss_type=loss_type, importance_sampling_level="token", beta=0.0, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False, _entropy_bonus_enabled=False,
+        args=args, loss_type=loss_type, importance_sampling_level="token", top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t),
         _metrics=metrics, entropy_coef=0.0, router_aux_loss_coef=0.0,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (x, torch.zeros_like(x), None), **config)
+        _get_per_token_logps_and_entropies=lambda *a, **k: (x, torch.zeros_like(x), None),
+        **{"beta": 0.0, "use_vllm": False, **config})
     inputs = {"prompt_ids": torch.zeros(len(LENGTHS), 1, dtype=torch.long),
               "prompt_mask": torch.ones(len(LENGTHS), 1, dtype=torch.long),
               "completion_ids": torch.zeros(len(LENGTHS), T, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(), **(_extra_inputs or {})}
     loss = GRPOTrainer._compute_loss(fake, None, inputs)
     loss.backward()
     return loss.item(), x.grad
@@ -184,3 +185,50 @@ def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage(
     zero = adv.clone()
     zero[:] = 0.0  # every group's rewards equal: nothing is clipped, however far the ratios have moved
     assert losses.ratio_diagnostics(logp, old, zero, mask, cfg)["clip/frac"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout correction: w = pi_old / mu, as TRL 1.16's vLLM importance-sampling correction
+# ---------------------------------------------------------------------------------------------------------------
+
+MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+def trl_is_ratio(old, sampled, mask, mode, c_min, c_max):
+    """TRL 1.16's ratio, transcribed from GRPOTrainer._generate_and_score_completions (its one place)."""
+    diff = (old - sampled) * mask
+    diff = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=c_min, max=c_max)
+    low, high = (-math.inf if c_min is None else c_min), (math.inf if c_max is None else c_max)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "cispo", "sapo"])
+def test_rollout_correction_equals_trl(mode, algo):
+    """Loss and gradient equal TRL's _compute_loss given its ratio (use_vllm with the correction on), for the
+    token-level objectives TRL shares; the bounds bind (a mismatch of spread 0.8 nats, C in [0.5, 3])."""
+    logp, old, adv, mask = batch(0.3, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    sampled = old + 0.8 * torch.randn(old.shape, generator=gen) * mask  # log mu: a sampler that rounds differently
+    c_min, c_max = 0.5, 3.0
+    w = losses.rollout_correction_weights(old, sampled, mask, mode, c_min, c_max)
+    torch.testing.assert_close(w, trl_is_ratio(old, sampled, mask, mode, c_min, c_max), rtol=0, atol=0)
+    raw = trl_is_ratio(old, sampled, mask, mode, None, None) if mode.endswith("mask") else torch.exp(
+        ((old - sampled) * mask).sum(-1, keepdim=True) if mode.startswith("sequence") else (old - sampled) * mask)
+    assert (w != raw).any()  # the bounds were exercised
+    cfg = replace(PRESETS[algo], beta=0.04 if algo == "grpo" else 0.0)
+    trl_loss = {"grpo": "grpo", "dapo": "dapo", "cispo": "cispo", "sapo": "sapo"}[algo]
+    eps = {"cispo": (1.0, 1 + cfg.epsilon_high)}.get(algo, (cfg.epsilon, cfg.epsilon_high))
+    ref = old - 0.1 * torch.randn(old.shape, generator=gen)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T), cfg, ref_logp=ref, diagnostics=False,
+                                 rollout_weight=w)
+    loss.backward()
+    theirs = trl(trl_loss, logp, old, adv, mask, epsilon_low=eps[0], epsilon_high=eps[1], beta=cfg.beta,
+                 use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                 _extra_inputs={"importance_sampling_ratio": w, "ref_per_token_logps": ref})
+    assert loss.item() == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
+    assert torch.allclose(x.grad, theirs[1], rtol=1e-10, atol=1e-14)

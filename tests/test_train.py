@@ -276,3 +276,26 @@ def test_the_default_warm_start_ships_with_the_code(tmp_path, monkeypatch):
     assert policy.config.hidden_size == models.WARM_START["hidden"]
     assert not (tmp_path / "empty-cache").exists()
     assert models.warm_start_path(1, models.WARM_START).parent != models.SHIPPED  # other seeds are built
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_bf16_run_with_rollout_correction_logs_the_mismatch_and_what_it_corrected(tmp_path, tiny_policy_dir, mode):
+    """bf16 autocast recomputes pi_old (auto), so the sampler's mu and pi_old both exist: every step logs their
+    mismatch, and the correction's mean weight and changed fraction; the run trains (weights move, all finite)."""
+    summary, metrics, run_dir = run(tmp_path, tiny_policy_dir, algo="gspo", dtype="bfloat16", rollout_correction=mode,
+                                    rollout_correction_min=0.5)
+    steps = [m for m in metrics if m["step"] > 0]
+    for m in steps:
+        for key in ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/kl_k3", "mismatch/seq_std",
+                    "mismatch/token_frac", "mismatch/seq_frac", "correction/weight_mean", "correction/changed_frac"):
+            assert m[key] is not None and math.isfinite(m[key]), key
+        assert m["mismatch/abs_max"] > 0  # bf16: a cached decode and a full forward round differently
+        assert 0 <= m["correction/changed_frac"] <= 1 and m["losses/skipped_updates"] == 0
+    before = load_file(tiny_policy_dir / "model.safetensors")
+    after = load_file(run_dir / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_fp32_run_takes_pi_old_from_the_sampler_and_logs_no_mismatch(tmp_path, tiny_policy_dir):
+    _, metrics, _ = run(tmp_path, tiny_policy_dir, algo="gspo", save_model=False)
+    assert not any(k.startswith(("mismatch/", "correction/")) for m in metrics for k in m)
