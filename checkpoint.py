@@ -36,14 +36,17 @@ class CheckpointError(UserError, ValueError):
 
 
 def rng_state(gen: torch.Generator) -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "generator": gen.get_state(),
+    """Every RNG stream, as tensors, numbers, strings, lists and tuples only (state.pt loads with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state(), "generator": gen.get_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def restore_rng(state: dict, gen: torch.Generator) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     gen.set_state(state["generator"])
     if state["cuda"] is not None and torch.cuda.is_available():
@@ -108,9 +111,16 @@ def load_state(path: Path) -> dict:
     model = path / "model"  # a whole model (config.json) or, under LoRA, its adapter (adapter_config.json)
     if not (path / "state.pt").is_file() or not any((model / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise CheckpointError(f"{path} is not a complete checkpoint (state.pt or model/ missing); {hint}")
-    try:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as e:
+    try:  # weights_only: tensors and plain data only; a pickle that would run code is refused, not run
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
+        raise CheckpointError(f"{path}/state.pt holds objects other than tensors and plain data, which could run code "
+                              "when loaded, so it was not loaded (checkpoints of this trainer before 2026-12-02 hold "
+                              "numpy arrays); if you trust its source, convert it with `python checkpoint.py "
+                              f"--convert-trusted {path}`, else {hint}")
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
     if not isinstance(state, dict) or "step" not in state or "config" not in state:
         raise CheckpointError(f"{path}/state.pt is not a checkpoint of this trainer; {hint}")
@@ -157,3 +167,24 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
     if path.is_file():
         lines = [line for line in path.open() if json.loads(line)["step"] <= step]
         path.write_text("".join(lines))
+
+
+def convert_trusted(path: Path) -> None:
+    """Rewrite an older checkpoint's state.pt (numpy RNG arrays) in the form that loads with weights_only. This
+    unpickles the file in full: only for a checkpoint whose source you trust."""
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    for rng in rank_rngs(state):
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        rng["numpy"] = (kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), pos, has_gauss, gauss)
+    torch.save(state, path / "state.pt.tmp")
+    torch.load(path / "state.pt.tmp", map_location="cpu", weights_only=True)  # it loads safely now
+    os.replace(path / "state.pt.tmp", path / "state.pt")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--convert-trusted":
+        sys.exit("usage: python checkpoint.py --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)")
+    convert_trusted(Path(sys.argv[2]))
+    print(f"converted {sys.argv[2]}/state.pt: it loads with weights_only now")

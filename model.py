@@ -138,11 +138,14 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         source, kwargs = str(local.parent), {"gguf_file": local.name}
     elif local.exists() and not (local / "config.json").is_file():
         raise ModelError(f"{name} is not a model directory (no config.json); pass a save_pretrained directory")
+    elif local.exists():
+        refuse_custom_code(local)
     elif not local.exists() and network.hub_offline():  # a hub id, and no hub: only the local cache can have it
         kwargs = {"local_files_only": True}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        # never the model's own Python code; weights from safetensors or GGUF, a .bin only through torch's safe load
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=False, **kwargs)
     except Exception as e:  # loaders raise many types (OSError, ValueError, ImportError, ...); all mean "cannot load"
         if kwargs.get("local_files_only"):
             raise ModelError(f"model {name!r}: no such local folder, and the hub ({network.hub_endpoint()}) is unreachable "
@@ -165,6 +168,20 @@ def without_dropout(model):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
     return model
+
+
+def refuse_custom_code(folder: Path) -> None:
+    """A model folder whose config or tokenizer config maps to its own Python files (auto_map) would need that code
+    run to load; this trainer runs none of a model's code."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+        except (OSError, ValueError):
+            continue  # unreadable: loading it names the problem
+        if isinstance(config, dict) and config.get("auto_map"):
+            raise ModelError(f"{folder} needs its own Python code to load ({name} has auto_map: "
+                             f"{', '.join(sorted(config['auto_map']))}), and this trainer runs no code from a model "
+                             "folder; use a model whose architecture transformers has built in")
 
 
 def enable_checkpointing(model) -> None:

@@ -1,0 +1,113 @@
+"""What a run trusts (issue 40): a checkpoint or model folder someone hands you runs no code on your machine, and
+no secret from the environment reaches the files a run writes."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import checkpoint
+import model as models
+import train
+from conftest import SMALL
+from test_bad_input import refused
+
+
+class RunsCode:
+    """Unpickling this runs a shell command (what a malicious state.pt or pytorch_model.bin would carry)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def checkpointed_run(tmp_path, tiny_policy_dir):
+    """A one-step run with a checkpoint; returns its flags (without the step count) and the checkpoint."""
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), *SMALL]
+    train.main(argv + ["--save-every", "1", "--total-steps", "1"])
+    return argv, tmp_path / "gspo-s0" / "checkpoints" / "step-000001"
+
+
+def test_a_state_pt_that_would_run_code_is_refused_in_one_line(tmp_path, capsys, tiny_policy_dir):
+    argv, ckpt = checkpointed_run(tmp_path, tiny_policy_dir)
+    state = torch.load(ckpt / "state.pt", weights_only=True)  # this trainer's own checkpoints load safely
+    marker = tmp_path / "ran"
+    torch.save({**state, "evil": RunsCode(marker)}, ckpt / "state.pt")
+    capsys.readouterr()
+    line = refused(argv + ["--resume", str(ckpt), "--run-name", "continued", "--total-steps", "2"], capsys, tmp_path,
+                   "could run code when loaded")
+    assert "--convert-trusted" in line and not marker.exists()
+
+
+def test_an_older_checkpoint_converts_once_trusted_and_resumes(tmp_path, capsys, tiny_policy_dir):
+    """Checkpoints written before this change hold numpy RNG arrays: refused as they are, and `python checkpoint.py
+    --convert-trusted` turns one into the safe form, after which the resume goes on."""
+    argv, ckpt = checkpointed_run(tmp_path, tiny_policy_dir)
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    for rng in checkpoint.rank_rngs(state):  # as the old code saved it: np.random.get_state() itself
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        rng["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss)
+    torch.save(state, ckpt / "state.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="holds objects other than tensors"):
+        checkpoint.load_state(ckpt)
+    checkpoint.convert_trusted(ckpt)
+    assert checkpoint.load_state(ckpt)["step"] == 1
+
+
+def test_rng_state_round_trips_exactly():
+    gen = torch.Generator().manual_seed(3)
+    saved = checkpoint.rng_state(gen)
+    import numpy as np
+    import random
+
+    draws = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=gen).item())
+    checkpoint.restore_rng(saved, gen)
+    assert (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=gen).item()) == draws
+
+
+def test_a_model_folder_that_needs_its_own_code_is_refused(tmp_path, capsys, tiny_policy_dir):
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_policy_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    refused(["--model", str(folder), "--output-dir", str(tmp_path / "runs"), *SMALL], capsys, tmp_path / "runs",
+            "needs its own Python code to load (config.json has auto_map")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_bin_only_folder_loads_through_the_safe_path_and_a_malicious_one_is_refused(tmp_path, tiny_policy_dir):
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    folder = tmp_path / "bin"
+    policy.save_pretrained(folder)  # transformers 5 writes safetensors only: make the .bin an older save would be
+    torch.save(policy.state_dict(), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    tok.save_pretrained(folder)
+    assert (folder / "pytorch_model.bin").is_file() and not (folder / "model.safetensors").exists()
+    loaded, _ = models.load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), policy.state_dict().values()))
+    marker = tmp_path / "ran"
+    torch.save({**policy.state_dict(), "evil": RunsCode(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(models.ModelError, match="could not load model"):
+        models.load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert not marker.exists()
+
+
+def test_the_wandb_key_and_tokens_never_reach_a_runs_files(tmp_path, tiny_policy_dir, monkeypatch, capsys):
+    secret = "local-0123456789abcdef0123456789abcdef0123"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + secret)
+    assert SMALL[-2:] == ["--wandb-mode", "disabled"]
+    train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), *SMALL[:-2], "--wandb-mode",
+                "offline", "--save-every", "1", "--total-steps", "1"])
+    out = capsys.readouterr()
+    assert secret not in out.out + out.err
+    files = [p for p in (tmp_path / "gspo-s0").rglob("*") if p.is_file()]
+    assert any(p.name == "state.pt" for p in files) and any("wandb" in str(p) for p in files)
+    for p in files:
+        assert secret.encode() not in p.read_bytes(), p
