@@ -114,8 +114,8 @@ def load_state(path: Path) -> dict:
     try:  # weights_only: tensors and plain data only; a pickle that would run code is refused, not run
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights only" not in str(e).lower():
-            raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
+        if "weights only" not in str(e).lower() or not zipfile.is_zipfile(path / "state.pt"):  # not what torch.save
+            raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")  # writes
         raise CheckpointError(f"{path}/state.pt holds objects other than tensors and plain data, which could run code "
                               "when loaded, so it was not loaded (checkpoints of this trainer before 2026-12-02 hold "
                               "numpy arrays); if you trust its source, convert it with `python checkpoint.py "
