@@ -149,6 +149,57 @@ def working_schedulers() -> list[str]:
     return names
 
 
+def parse(cli, description: str, argv: list[str] | None):
+    """tyro's parse, with a parse error (an unknown flag, a value of the wrong type, a choice that does not exist)
+    as one `error:` line and exit code 2 instead of tyro's box; a choice's valid values come closest first."""
+    import contextlib
+    import difflib
+    import io
+    import re
+    import sys
+
+    import tyro
+
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(cli, description=description, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help
+            raise
+        message = box_message(box.getvalue()) or "could not parse the flags"
+        choice = re.search(r"invalid choice '(.*?)' for argument '(--[\w-]+)'\. Expected one of \((.*)\)", message)
+        if choice:
+            value, flag, options = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
+            ranked = difflib.get_close_matches(value, options, n=len(options), cutoff=0)
+            message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
+        print(f"error: {message} (python train.py --help lists every flag)", file=sys.stderr)
+        sys.exit(2)
+
+
+def box_message(text: str) -> str:
+    """The message of tyro's error box, in either of rich's renderings: on a terminal the title sits in the top
+    border (╭─ Invalid choice ─╮) and the message follows in │ ... │ lines; elsewhere the title is a line of its own
+    above a dashed rule. The message ends at the next rule (tyro's help text follows)."""
+    rule = set("─-━═+╭╮╰╯│| ")
+    groups, current, titled = [], [], False
+    for i, line in enumerate(text.splitlines()):
+        inner = line.strip().strip("│|").strip()
+        if not inner:
+            continue
+        if set(inner) <= rule:
+            groups.append(current)
+            current = []
+        elif inner[0] in "─-╭+" and not groups and not current:  # the title inside the top border
+            titled = True
+        else:
+            current.append(inner)
+    groups = [g for g in groups + [current] if g]
+    if not titled and len(groups) > 1:  # the title was a line of its own
+        groups = groups[1:]
+    return " ".join(groups[0]) if groups else ""
+
+
 def validate(args, world_size: int = 1) -> None:
     """Every flag on its own and against the others (and against torchrun's process count); the first wrong one is
     a ConfigError."""
@@ -178,8 +229,6 @@ def validate(args, world_size: int = 1) -> None:
     if ddp.launched() and args.device in ("auto", "cuda") and 0 < gpus < local:
         raise ConfigError(f"torchrun starts {local} processes on this machine but it has {gpus} GPU(s), one per "
                           f"process; use --nproc-per-node {gpus} (or --device cpu)")
-    if args.lr_scheduler not in (names := working_schedulers()):
-        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
     name = args.run_name
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
@@ -197,6 +246,8 @@ def validate(args, world_size: int = 1) -> None:
         except rewards.VerifierError as e:
             raise ConfigError(str(e))
     check_wandb_login(args.wandb_mode)
+    if args.lr_scheduler not in (names := working_schedulers()):  # last: it imports transformers' trainer (~5 s)
+        raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
 
 
 def check_device(name: str) -> None:

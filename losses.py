@@ -276,25 +276,25 @@ def policy_loss(
     advantages: Tensor,  # (B,) one per sequence, or (B, T) one per token
     mask: Tensor,  # (B, T) 1 for completion tokens up to and including the first EOS
     norm: StepNorm,  # normalisers of the whole optimizer step
-    cfg: LossConfig,
+    cfg: LossConfig,  # checked once at start-up (flags.validate calls check_config), not here
     ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
-    diagnostics: bool = True,  # False skips them (the training loop computes them once over the whole update)
     rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
-) -> tuple[Tensor, dict[str, float]]:
-    """The clipped policy-gradient loss of one micro-batch, and its diagnostics.
+) -> Tensor:
+    """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
+    rollout correction's weight if any, plus beta times the k3 KL on every token, aggregated by loss_agg_mode.
 
-    token level (GRPO, Dr.GRPO, DAPO):
-        L_it = -min(rho_it A_it, clip(rho_it, 1-eps, 1+eps_high) A_it) + beta KL_it,   aggregated by loss_agg_mode
-    sequence level (GSPO):
-        L_i = -min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i) + beta mean_t KL_it, as L_it = L_i on every token,
-        so "seq-mean-token-mean" gives GSPO's (1/B) sum_i L_i.
+    clip   (GRPO, Dr.GRPO, DAPO at token level; GSPO at sequence level, where w = s_i and L_it = L_i on every token)
+        L_u = -min(w_u A_u, clip(w_u, 1-eps, 1+eps_high) A_u)
+    cispo  L_it = -sg(clip(rho_it, 1-eps, 1+eps_high)) A_i log pi_theta(y_it)
+    sapo   L_it = -f(rho_it) A_i,  f(rho) = sigmoid(tau (rho - 1)) 4 / tau,  tau = tau_pos if A > 0 else tau_neg
+    gmpo   L_i = -A_i exp((1/|y_i|) sum_t l'_it),  l'_it = l_it clipped to [-eps, eps_high] on the side A's sign picks
 
     Summing the returned losses of the micro-batches of a step (each with the step's `norm`) gives exactly the
-    loss of the whole step.
+    loss of the whole step. The ratio and clip statistics of the update are `ratio_diagnostics`, computed once per
+    update over every row it scored.
     """
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
-    check_config(cfg, per_token_advantages=advantages.dim() == 2)
     per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
     if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
         per_token = per_token * rollout_weight
@@ -302,14 +302,7 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
         per_token = per_token + cfg.beta * k3_kl(logp, ref_logp)
-    loss = aggregate(per_token, mask, cfg.loss_agg_mode, norm)
-    if not diagnostics:
-        return loss, {}
-    with torch.no_grad():
-        diag = ratio_diagnostics(logp.detach(), old_logp, advantages, mask, cfg)
-        if cfg.beta > 0:
-            diag["kl_ref"] = masked_mean(k3_kl(logp.detach(), ref_logp), mask)
-    return loss, diag
+    return aggregate(per_token, mask, cfg.loss_agg_mode, norm)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,9 +385,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     clip/token_*         clip fractions over tokens with the run's epsilon; clip/seq_* over sequences
     clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
                          SAPO and GMPO what plays the clip's part: see clip_fraction_of)
-    clip/shadow_<algo>   the fraction each paper preset would clip on this same batch
-    clip/sapo_gate_mean  mean over tokens of SAPO's gradient weight f'(rho) (1 on-policy)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
+    The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is diagnostics.py.
     """
     mask = mask.to(logp.dtype)
     valid_tok, valid_seq = mask > 0, mask.sum(-1) > 0
@@ -421,51 +413,6 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "clip/seq_high": seq_high,
         "clip/seq_frac": seq_low + seq_high,
         "clip/frac": clip_fraction_of(cfg, log_ratio, adv_tok, mask),
-        "clip/sapo_gate_mean": masked_mean(sapo_gate_slope(rho, adv_tok, PRESETS["sapo"]), mask),
         "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
     }
-    for name, preset in PRESETS.items():
-        diag[f"clip/shadow_{name}"] = clip_fraction_of(preset, log_ratio, adv_tok, mask)
     return diag
-
-
-MISMATCH_TOKEN = 0.2  # |log pi_old - log mu| beyond GRPO's clip range, roughly (log 1.2 = 0.18, -log 0.8 = 0.22)
-MISMATCH_SEQ = 3e-4  # |mean_t log pi_old - log mu| beyond GSPO's clip range: clipped at theta = theta_old
-
-
-def mismatch_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Train-inference mismatch, d_it = log pi_old(y_it) - log mu(y_it) over valid tokens: mean and max |d|, the k3
-    estimate of KL(mu || pi_old) (tokens are drawn from mu: E_mu[(r - 1) - log r], r = pi_old / mu), the spread of
-    the sequences' mean d (GSPO's log s_i at theta = theta_old), and the fractions beyond the thresholds above."""
-    d = (old_logp - sampler_logp) * mask  # (B, T)
-    valid = mask > 0
-    seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-    return {"mismatch/abs_mean": masked_mean(d.abs(), mask), "mismatch/abs_max": float(d.abs().max()),
-            "mismatch/kl_k3": masked_mean(torch.expm1(d) - d, mask),
-            "mismatch/seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
-            "mismatch/seq_abs_max": float(seq.abs().max()),
-            "mismatch/token_frac": float((d.abs() > MISMATCH_TOKEN)[valid].float().mean()),
-            "mismatch/seq_frac": float((seq.abs() > MISMATCH_SEQ).float().mean())}
-
-
-def length_bucket_stats(logp: Tensor, old_logp: Tensor, mask: Tensor, num_buckets: int = 4) -> list[dict]:
-    """Per response-length bucket (quantiles of |y|): mean length, std of sum_t l_it and of log s_i.
-
-    For i.i.d. token log-ratio noise of std sigma, std(sum_t l_it) = sigma sqrt(|y|) grows with length while
-    std(log s_i) = sigma / sqrt(|y|) shrinks: the two quantities the GSPO argument is about.
-    """
-    mask = mask.to(logp.dtype)
-    lengths = mask.sum(-1)  # (B,)
-    log_ratio = (logp - old_logp) * mask
-    sums, log_s = log_ratio.sum(-1), masked_seq_mean(log_ratio, mask)  # (B,), (B,)
-    order = torch.argsort(lengths, stable=True)
-    out = []
-    for idx in torch.tensor_split(order, num_buckets):
-        if len(idx) < 2:
-            continue
-        out.append({
-            "len": float(lengths[idx].mean()),
-            "std_logsum": float(sums[idx].std()),
-            "std_log_s": float(log_s[idx].std()),
-        })
-    return out

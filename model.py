@@ -20,16 +20,12 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
-from transformers.utils import logging as hf_logging
 
 import network
 import rewards
 import task
 from errors import UserError
 
-hf_logging.disable_progress_bar()  # per-file load/save bars would bury the training log (and error lines)
 
 
 class ModelError(UserError, ValueError):
@@ -87,8 +83,21 @@ def compute_dtype(model) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# transformers is imported inside the functions that use it: importing it takes seconds, and a refused flag or
+# --help should not wait for that (flags.py imports this module)
+
+
+def quiet_transformers() -> None:
+    """No per-file load/save progress bars: they would bury the training log (and error lines)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer (printable ASCII, with <answer> and </answer> as single tokens)."""
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<eos>", "<unk>"]
     pieces = specials + [task.ANSWER_OPEN, task.ANSWER_CLOSE] + list(string.printable[:-5])  # no \t\r\x0b\x0c
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
@@ -102,6 +111,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 4,
                      max_positions: int = 128) -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -126,6 +137,9 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a hub id, a local model directory, or a .gguf file (dequantised by transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
     kwargs, source = {}, name
     local = Path(name).expanduser()
     looks_local = name.startswith(("/", ".", "~")) or local.suffix in (".gguf", ".safetensors", ".bin", ".pt") \
@@ -267,6 +281,8 @@ def prepare(model, tokenizer, device: torch.device):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pad == eos: rollout.py keeps the first EOS in the mask
     tokenizer.padding_side = "left"
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=stop_ids(model.generation_config, tokenizer))
     return model.to(device), tokenizer
@@ -372,6 +388,7 @@ def warm_start(seed: int = 0, settings: dict = WARM_START, cache: Path | None = 
     out = warm_start_path(seed, settings, cache)
     if (out / "config.json").is_file():
         return out
+    quiet_transformers()
     tokenizer = build_tokenizer()
     long = settings.get("task") == "long"
     model = build_tiny_model(tokenizer, seed, settings["hidden"], settings["layers"], settings.get("max_positions", 128))

@@ -13,7 +13,6 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import LogitsProcessor, LogitsProcessorList
 
 
 @dataclass
@@ -80,8 +79,9 @@ def completion_mask(completion_ids: Tensor, stop_ids: list[int]) -> tuple[Tensor
     return (~seen_before).long(), ~is_eos.any(dim=1)
 
 
-class SamplerLogprobs(LogitsProcessor):
-    """Records log mu(y_t) and the entropy of mu, the distribution `generate` samples each token from (its logits /
+class SamplerLogprobs:
+    """A logits processor (generate calls it with the input ids and the next token's scores) that records
+    log mu(y_t) and the entropy of mu, the distribution `generate` samples each token from (its logits /
     temperature: the only processor, see model.prepare), one step at a time. Called at step t+1 with the token drawn
     at step t as the last input id, it keeps one (B, V) row of log-probs between calls instead of generate's whole
     (B, T, V) logits. Custom processors run before generate's temperature warper, hence the division here (the test
@@ -123,7 +123,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     recorder = None if greedy else SamplerLogprobs(temperature)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
-                         logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                         logits_processor=[recorder] if recorder else None,
                          return_dict_in_generate=True)
     completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
     mask, truncated = completion_mask(completion, stops)

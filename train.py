@@ -38,11 +38,10 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
-from transformers import get_scheduler
 
 import checkpoint
 import ddp
+import diagnostics
 import errors
 import flags
 import lifecycle
@@ -519,9 +518,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                 # ALGO: --rollout-correction: w = pi_old / mu reweights each token's loss (losses.py)
                 weight = None if correction is None else losses.rollout_correction_weights(
                     old, mu[rows], mask[rows], *correction)
-                loss, _ = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                             None if ref_logp is None else ref_logp[rows], diagnostics=False,
-                                             rollout_weight=weight)
+                loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
+                                          None if ref_logp is None else ref_logp[rows], rollout_weight=weight)
                 world.backward(loss)  # under torchrun: scaled so that DDP's average over ranks is the sum
             total += loss.item()
             scored.append((rows, logp.detach(), entropy_now))
@@ -569,7 +567,8 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
     kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
     new, old_all, adv_seen, mask_seen, entropy_seen, kl, mu_seen = world.gather_rows(
         new, old_all, adv[rows], mask[rows], entropy_seen, kl, None if mu is None else mu[rows])
-    diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)
+    diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)  # the card's: ratio variance, clipping
+    diag.update(diagnostics.study_metrics(new, old_all, adv_seen, mask_seen))  # the study's instrumentation
     metrics = {
         "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
         else losses.masked_mean(*world.gather_rows(old_entropy, mask)),  # pi_old's, over the whole rollout
@@ -578,7 +577,7 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
     if kl is not None:
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
     if mu_seen is not None:
-        metrics.update(losses.mismatch_metrics(old_all, mu_seen, mask_seen))
+        metrics.update(diagnostics.mismatch_metrics(old_all, mu_seen, mask_seen))
     if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
         w = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, *correction)
         raw = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, correction[0].split("_")[0] + "_mask",
@@ -586,8 +585,6 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
         units = mask_seen if w.shape == mask_seen.shape else (mask_seen.sum(-1, keepdim=True) > 0).float()
         metrics["correction/weight_mean"] = losses.masked_mean(w, units)
         metrics["correction/changed_frac"] = losses.masked_mean((w != raw).float(), units)
-    for q, bucket in enumerate(losses.length_bucket_stats(new, old_all, mask_seen), 1):
-        metrics.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return metrics
 
 
@@ -690,11 +687,14 @@ class Logger:
             self.run.finish()
 
 
-def console_line(step: int, total: int, m: dict, eta_s: float) -> str:
+def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "token") -> str:
+    """One step on screen; the clip fraction and the ratio variance are at the objective's own level (token ratios
+    rho_it, or GSPO's sequence ratios s_i)."""
     drawn = f" | drawn {m['dynamic/drawn']} dropped {m['dynamic/dropped']}" if m.get("dynamic/dropped") else ""
+    var = f"seq_ratio_var {m['ratio/seq_var']:.2e}" if level == "sequence" else f"ratio_var {m['ratio/token_var']:.2e}"
     return (f"step {step:>4}/{total} | reward {m['charts/reward']:.3f} acc {m['charts/accuracy']:.3f} | "
             f"len {m['charts/completion_len']:.1f} | loss {m['losses/policy_loss']:+.4f} | "
-            f"clip {m['clip/frac']:.4f} ratio_var {m['ratio/token_var']:.2e}{drawn} | "
+            f"clip {m['clip/frac']:.4f} {var}{drawn} | "
             f"{m['perf/rollout_s']:.1f}s+{m['perf/update_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
@@ -814,6 +814,7 @@ def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | No
         trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
         optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
+        from transformers import get_scheduler  # here, not at the top: it imports peft (~5 s), which a refusal skips
         scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                   num_training_steps=optimizer_steps)
         stream = PromptStream(train_set, args.seed)  # the same order on every rank: each takes its share of a draw
@@ -894,7 +895,7 @@ def train(args: Args) -> dict:
                 metrics.update(held_out)
             run.logger.log(metrics, step=step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)
-            print(console_line(step, args.total_steps, metrics, eta), flush=True)
+            print(console_line(step, args.total_steps, metrics, eta, cfg.importance_sampling_level), flush=True)
             if evaluated:
                 print(eval_lines(f"at step {step}", metrics, sample, len(run.test_set)), flush=True)
             watch.check(step, metrics)
@@ -934,7 +935,7 @@ def help_defaults() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     cli = flags.default_hints(flags.docstrings_as_help(Args), help_defaults())
-    args = tyro.cli(cli, description=__doc__, args=argv)
+    args = flags.parse(cli, __doc__, argv)  # a parse error is one `error:` line, as every other bad input
     with errors.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
         train(args)
 

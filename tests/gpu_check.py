@@ -144,7 +144,7 @@ def mismatch_table(device: str, out: Path) -> None:
     """Sampler-trainer mismatch (#34), measured: one rollout per (model, precision), mu recorded by the sampler and
     pi_old recomputed in micro-batches of 8 rows, as train.py does; by completion-length quartile. Writes `out`."""
     import bench
-    import losses
+    import diagnostics as losses  # the mismatch statistics and their thresholds
 
     cases = [("embedded (0.67M, seed 0 warm start)", str(models.warm_start(0)), "embedded", 16, 64)]
     try:

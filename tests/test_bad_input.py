@@ -99,6 +99,9 @@ FLAGS = [
     (["--dtype", "float16", "--device", "cpu"], "--dtype float16 is not supported"),
     (["--dtype", "float16"], "--dtype float16 is not supported"),  # on every device (a GPU's weights turn NaN)
     (["--threads", "-1"], "--threads must be >= 0"),
+    (["--algo", "gspoo"], "--algo 'gspoo' is not one of its choices; use one of gspo, "),  # the closest first
+    (["--num-prompts", "abc"], "--num-prompts"),  # tyro's parse errors are one line too
+    (["--no-such-flag"], "--no-such-flag"),
     (["--rollout-correction", "token_mask", "--old-logprobs", "sampler"], "which is 1 when pi_old is the sampler's"),
     (["--rollout-correction", "token_mask", "--rollout-correction-max", "None"], "needs a bound"),
     (["--rollout-correction-max", "0"], "must be > 0 with min < max"),
@@ -435,7 +438,7 @@ def test_non_finite_stop_before_a_checkpoint_advises_overwrite(tmp_path, capsys,
     import losses
 
     real = losses.policy_loss
-    monkeypatch.setattr(losses, "policy_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), {}))
+    monkeypatch.setattr(losses, "policy_loss", lambda *a, **kw: real(*a, **kw) * float("nan"))
     argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "4",
             "--max-nonfinite-steps", "2"] + SMALL
     with pytest.raises(SystemExit) as exc:

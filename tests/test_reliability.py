@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint
+import diagnostics
 import lifecycle
 import losses
 import rewards
@@ -252,8 +253,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys, tiny
     real = losses.policy_loss
 
     def poisoned(*a, **kw):
-        loss, diag = real(*a, **kw)
-        return loss * float("nan"), diag
+        return real(*a, **kw) * float("nan")
 
     monkeypatch.setattr(losses, "policy_loss", poisoned)
     code, err = cli(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "10",
@@ -284,11 +284,13 @@ def degenerate_batches():
 @pytest.mark.parametrize("algo", list(PRESETS))
 def test_degenerate_batches_keep_everything_finite(name, logp, old, adv, mask, algo):
     leaf = logp.clone().requires_grad_(True)
-    loss, diag = losses.policy_loss(leaf, old, adv, mask, StepNorm.of(mask, 6), PRESETS[algo], ref_logp=old)
+    loss = losses.policy_loss(leaf, old, adv, mask, StepNorm.of(mask, 6), PRESETS[algo], ref_logp=old)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(leaf.grad).all()
+    diag = {**losses.ratio_diagnostics(logp, old, adv, mask, PRESETS[algo]),
+            **diagnostics.study_metrics(logp, old, adv, mask)}
     assert all(torch.isfinite(torch.tensor(v)) for v in diag.values()), diag
-    for bucket in losses.length_bucket_stats(logp, old, mask):
+    for bucket in diagnostics.length_bucket_stats(logp, old, mask):
         assert all(torch.isfinite(torch.tensor(v)) for v in bucket.values())
 
 

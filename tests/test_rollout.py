@@ -112,15 +112,15 @@ def test_sampler_logprobs_are_those_of_the_logits_generate_drew_from(tiny_policy
 
 
 def test_mismatch_metrics_read_what_they_say():
-    import losses
+    import diagnostics
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     mu = torch.full((2, 4), -1.0)
     old = mu + torch.tensor([[0.3, -0.1, 0.1, 9.0], [1e-4, 2e-4, 0.0, 9.0]])  # the 9s are padding
-    m = losses.mismatch_metrics(old, mu, mask)
+    m = diagnostics.mismatch_metrics(old, mu, mask)
     assert m["mismatch/abs_max"] == pytest.approx(0.3) and m["mismatch/abs_mean"] == pytest.approx(0.5003 / 5)
     assert m["mismatch/token_frac"] == pytest.approx(1 / 5)  # only 0.3 is beyond 0.2
     assert m["mismatch/seq_frac"] == pytest.approx(1 / 2)  # row 0's mean 0.1 > 3e-4; row 1's 1.5e-4 is not
     d = torch.tensor([0.3, -0.1, 0.1, 1e-4, 2e-4])
     assert m["mismatch/kl_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-5)
-    assert losses.mismatch_metrics(mu, mu, mask)["mismatch/kl_k3"] == 0.0
+    assert diagnostics.mismatch_metrics(mu, mu, mask)["mismatch/kl_k3"] == 0.0

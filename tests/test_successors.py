@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import diagnostics
 import losses
 from losses import PRESETS, StepNorm
 
@@ -30,7 +31,7 @@ def batch(shift: float, seed: int = 0):
 
 def ours(cfg, logp, old, adv, mask, max_new=T):
     x = logp.clone().requires_grad_(True)
-    loss, _ = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, max_new), cfg, diagnostics=False)
+    loss = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, max_new), cfg)
     loss.backward()
     return loss.item(), x.grad
 
@@ -148,25 +149,27 @@ def test_gmpo_equals_gspo_when_nothing_clips():
 
 
 def test_combinations_the_maths_does_not_define_are_refused():
+    """check_config runs once at start-up (flags.validate; test_bad_input.py checks the one-line errors)."""
     logp, old, adv, mask = batch(0.1)
     with pytest.raises(ValueError, match="CISPO .* use --importance-sampling-level token"):
-        ours(replace(PRESETS["cispo"], importance_sampling_level="sequence"), logp, old, adv, mask)
+        losses.check_config(replace(PRESETS["cispo"], importance_sampling_level="sequence"))
     with pytest.raises(ValueError, match="GMPO's weight is one per sequence"):
-        ours(replace(PRESETS["gmpo"], importance_sampling_level="token"), logp, old, adv, mask)
+        losses.check_config(replace(PRESETS["gmpo"], importance_sampling_level="token"))
     # SAPO's gate is defined on any ratio: at sequence level it gates GSPO's s_i
+    losses.check_config(replace(PRESETS["sapo"], importance_sampling_level="sequence"))
     ours(replace(PRESETS["sapo"], importance_sampling_level="sequence"), logp, old, adv, mask)
 
 
 def test_shadow_fractions_name_what_each_successor_does():
     logp, old, adv, mask = batch(0.6, seed=4)
-    diag = losses.ratio_diagnostics(logp, old, adv, mask, PRESETS["grpo"])
+    diag = diagnostics.study_metrics(logp, old, adv, mask)
     rho = torch.exp(logp - old)
     valid = mask > 0
     capped = ((rho > 5) | (rho < 0)) & valid
     assert diag["clip/shadow_cispo"] == pytest.approx(float(capped.sum() / valid.sum()))
     assert 0 < diag["clip/shadow_sapo"] < 1 and 0 < diag["clip/shadow_gmpo"] < 1
     assert 0 < diag["clip/sapo_gate_mean"] < 1
-    on = losses.ratio_diagnostics(old, old, adv, mask, PRESETS["grpo"])
+    on = diagnostics.study_metrics(old, old, adv, mask)
     assert on["clip/sapo_gate_mean"] == pytest.approx(1.0) and on["clip/shadow_sapo"] == 0.0
 
 
@@ -181,7 +184,7 @@ def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage(
     by_hand = (((adv_tok > 0) & (l > cfg.epsilon_high)) | ((adv_tok < 0) & (l < -cfg.epsilon))) & (mask > 0)
     diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
     assert 0 < diag["clip/frac"] == pytest.approx(float(by_hand.sum() / mask.sum()))
-    assert diag["clip/shadow_gmpo"] == diag["clip/frac"]
+    assert diagnostics.study_metrics(logp, old, adv, mask)["clip/shadow_gmpo"] == diag["clip/frac"]
     zero = adv.clone()
     zero[:] = 0.0  # every group's rewards equal: nothing is clipped, however far the ratios have moved
     assert losses.ratio_diagnostics(logp, old, zero, mask, cfg)["clip/frac"] == 0.0
@@ -224,8 +227,7 @@ def test_rollout_correction_equals_trl(mode, algo):
     eps = {"cispo": (1.0, 1 + cfg.epsilon_high)}.get(algo, (cfg.epsilon, cfg.epsilon_high))
     ref = old - 0.1 * torch.randn(old.shape, generator=gen)
     x = logp.clone().requires_grad_(True)
-    loss, _ = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T), cfg, ref_logp=ref, diagnostics=False,
-                                 rollout_weight=w)
+    loss = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T), cfg, ref_logp=ref, rollout_weight=w)
     loss.backward()
     theirs = trl(trl_loss, logp, old, adv, mask, epsilon_low=eps[0], epsilon_high=eps[1], beta=cfg.beta,
                  use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
