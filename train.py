@@ -250,14 +250,16 @@ def resolve(args: Args) -> tuple[Args, LossConfig]:
 
 
 def default_run_name(args: Args) -> str:
-    """<algo>[-<model>][-<dataset>][-np<N>]-s<seed>: runs of the documented commands (another model, dataset,
-    torchrun) get folders of their own. The embedded model (or one of its warm starts, `warm-start-*`), the default
+    """<algo>[-<model>][-lora<r>][-<dataset>][-np<N>]-s<seed>: runs of the documented commands (another model, LoRA,
+    dataset, torchrun) get folders of their own. The embedded model (or one of its warm starts, `warm-start-*`), the default
     dataset and one process add nothing (gspo-s0); a model adds its folder or file name (Qwen/Qwen2.5-0.5B-Instruct
     -> Qwen2.5-0.5B-Instruct, ./m.Q4_1.gguf -> m.Q4_1)."""
     parts = [args.algo]
     model = Path(args.model.rstrip("/")).name.removesuffix(".gguf")
     if args.model != "embedded" and not model.startswith("warm-start-"):
         parts.append(model)
+    if args.lora_rank:
+        parts.append(f"lora{args.lora_rank}")
     if args.dataset != "embedded":
         name = Path(args.dataset.rstrip("/")).name
         name = name.split(".")[0] if Path(args.dataset).suffix else name  # data/gsm8k.jsonl -> gsm8k
@@ -621,10 +623,10 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
              world: World = SINGLE) -> dict:
     """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
     problem at the training temperature. Under torchrun each rank scores every N-th problem; the sums are shared.
-    Returns the metrics and one greedy sample (prompt, completion, reference, correct) for the screen."""
+    Returns the metrics and the greedy answers to show (examples_to_show)."""
     policy.eval()
     mine = examples[world.rank::world.size]
-    correct, reward, sample = [], [], None
+    correct, reward, shown = [], [], []
     for i in range(0, len(mine), chunk):
         rows = mine[i:i + chunk]
         parts = lifecycle.shrink_on_oom(  # PLUMBING: in smaller pieces after an out-of-memory error
@@ -633,7 +635,7 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
         for scored in parts:
             correct += scored.scores["correct"]
             reward += scored.scores["reward"]
-        sample = sample or (rows[0].prompt, parts[0].texts[0], rows[0].answer, bool(parts[0].scores["correct"][0]))
+            shown += [(ex.prompt, text) for ex, text in zip(scored.examples, scored.texts)]
     sums = [float(np.sum(correct)), float(np.sum(reward))]
     if args.eval_samples:
         n = args.eval_samples
@@ -653,7 +655,21 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     if args.eval_samples:
         out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
     policy.train()
-    return out, sample
+    return out, examples_to_show(mine, shown, correct, step)
+
+
+def examples_to_show(examples: list, shown: list, correct: list, step: int) -> list[tuple]:
+    """For the screen, a different problem at each evaluation (the step picks where to look): the first one
+    answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
+    correct) each."""
+    n = len(shown)
+    picked = {}
+    for k in range(n):
+        i = (step * 37 + k) % n
+        picked.setdefault(bool(correct[i]), i)
+        if len(picked) == 2:
+            break
+    return [(shown[i][0], shown[i][1], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,13 +714,12 @@ def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "tok
             f"{m['perf/rollout_s']:.1f}s+{m['perf/update_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
-def eval_lines(when: str, m: dict, sample: tuple | None, n_problems: int) -> str:
-    """The held-out evaluation on screen: accuracy (and pass@k), and one greedy answer beside its reference."""
+def eval_lines(when: str, m: dict, samples: list | None, n_problems: int) -> str:
+    """The held-out evaluation on screen: accuracy (and pass@k), and greedy answers beside their references."""
     passes = "".join(f", {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
-    line = f"held-out accuracy {when}: {m['eval/accuracy']:.3f}{passes} ({n_problems} problems)"
-    if sample:
-        prompt, text, reference, correct = sample
-        clip = lambda t: repr(t if len(t) <= 100 else t[:97] + "...")  # noqa: E731
+    line = f"held-out accuracy {when}: {m['eval/accuracy']:.3f}{passes} ({n_problems} problem{'s' * (n_problems != 1)})"
+    clip = lambda t: repr(t if len(t) <= 100 else t[:97] + "...")  # noqa: E731
+    for prompt, text, reference, correct in samples or []:
         line += (f"\n  e.g. {clip(prompt)} -> {clip(text)} (reference {reference!r}: "
                  f"{'right' if correct else 'wrong'})")
     return line
@@ -727,6 +742,10 @@ def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, po
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems; "
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
+    trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
+               if args.lora_rank else "every weight (full fine-tune)")
+    lines.append(f"model: {args.model}; trains {trained}"
+                 + ("; gradient checkpointing on" if args.gradient_checkpointing else ""))
     if args.model == "embedded" and args.dataset not in EMBEDDED_TASKS:
         lines.append(f"note: the embedded model was warm-started on the remainder task only and knows nothing of "
                      f"{args.dataset}; train a pretrained model on it with --model (a hub id, a folder or a .gguf)")
@@ -927,7 +946,7 @@ def help_defaults() -> dict[str, str]:
             "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",
             "overlong_weight": "(default from --algo: 1 for dapo, 0 for the others)",
             "lora_alpha": "(default: 2 x --lora-rank)",
-            "run_name": "(default: <algo>[-<model>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
+            "run_name": "(default: <algo>[-<model>][-lora<r>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
             "resume": "(default: start a new run)", "wandb_group": "(default: none)",
             "rollout_correction_min": "(default: no lower bound)"}

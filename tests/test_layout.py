@@ -100,12 +100,13 @@ def test_losses_docstring_table_matches_the_presets():
 
 def documented_train_commands() -> list[tuple[str, list[str], int]]:
     """(where, train.py's argv, processes) for every `python train.py` / `torchrun ... train.py` line in a ```bash
-    block of the README and the docs it links, in reading order."""
+    block of the README and the docs it links, in reading order, then of every other page under docs/."""
     import re
     import shlex
 
     readme = (ROOT / "README.md").read_text()
     docs = ["README.md"] + list(dict.fromkeys(re.findall(r"\]\((docs/[\w/.-]+\.md)\)", readme)))
+    docs += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md") if str(p.relative_to(ROOT)) not in docs)
     found = []
     for doc in docs:
         for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
@@ -150,6 +151,7 @@ def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
     assert name(model="./SmolLM2-135M-Instruct.Q4_1.gguf") == "gspo-SmolLM2-135M-Instruct.Q4_1-s0"
     assert name(model="./my-checkpoint/", dataset="embedded-long") == "gspo-my-checkpoint-embedded-long-s0"
     assert name(procs=2, dataset="openai/gsm8k", dataset_config="main") == "gspo-gsm8k-main-np2-s0"
+    assert name(lora_rank=16) == "gspo-lora16-s0"  # the LoRA command of docs/reference.md lands beside the default run
 
 
 def test_documented_answer_lengths_are_the_tasks():

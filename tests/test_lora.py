@@ -56,14 +56,14 @@ def test_a_lora_run_saves_its_adapter_and_a_merged_model_that_loads(tmp_path, ti
     args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
                          "total_steps": 2, "lora_rank": 4, "merge_lora": True})
     train.train(args)
-    final = tmp_path / "grpo-s0" / "final"
+    final = tmp_path / "grpo-lora4-s0" / "final"
     adapter = load_file(final / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the adapter learned something
     assert not (final / "model.safetensors").exists()  # no full copy next to the adapter
-    config = json.loads((tmp_path / "grpo-s0" / "config.json").read_text())
+    config = json.loads((tmp_path / "grpo-lora4-s0" / "config.json").read_text())
     assert config["lora_rank"] == 4 and config["lora_alpha"] == 8.0  # α defaults to 2r
-    rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (tmp_path / "grpo-lora4-s0" / "metrics.jsonl").open()]
     assert all(r["losses/kl_ref"] >= 0 for r in rows[1:])  # β 0.04: the KL to the base, adapter off
 
     base, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
@@ -79,10 +79,10 @@ def test_lora_resume_continues_exactly(tmp_path, tiny_policy_dir):
     common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "algo": "grpo", "lora_rank": 4, "save_every": 2}
     train.train(train.Args(**common, output_dir=str(tmp_path / "a"), total_steps=4))
     train.train(train.Args(**common, output_dir=str(tmp_path / "b"), total_steps=2))
-    (tmp_path / "b" / "grpo-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint
-    assert (tmp_path / "b" / "grpo-s0" / "checkpoints" / "step-000002" / "model" / "adapter_model.safetensors").is_file()
+    (tmp_path / "b" / "grpo-lora4-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint
+    assert (tmp_path / "b" / "grpo-lora4-s0" / "checkpoints" / "step-000002" / "model" / "adapter_model.safetensors").is_file()
     train.train(train.Args(**common, output_dir=str(tmp_path / "b"), total_steps=4, resume="auto"))
-    a, b = tmp_path / "a" / "grpo-s0", tmp_path / "b" / "grpo-s0"
+    a, b = tmp_path / "a" / "grpo-lora4-s0", tmp_path / "b" / "grpo-lora4-s0"
     assert (a / "final" / "adapter_model.safetensors").is_file()  # the adapter, not a whole model
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

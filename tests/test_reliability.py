@@ -198,7 +198,8 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_pa
             "--max-sampling-rounds", "30"] + SMALL + lora
     reference = spawn(argv, tmp_path / "ref")
     victim = spawn(argv, tmp_path / "kill")
-    ckpts = tmp_path / "kill" / "dapo-s0" / "checkpoints"
+    name = "dapo-lora4-s0" if lora else "dapo-s0"
+    ckpts = tmp_path / "kill" / name / "checkpoints"
     deadline = time.time() + 120
     while not checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
         time.sleep(0.05)
@@ -206,11 +207,11 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_pa
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert reference.wait(timeout=300) == 0, reference.stdout.read()
-    assert not (tmp_path / "kill" / "dapo-s0" / "summary.json").exists()  # it really died before finishing
+    assert not (tmp_path / "kill" / name / "summary.json").exists()  # it really died before finishing
     resumed = spawn(argv + ["--resume", "auto"], tmp_path / "kill")
     log = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0 and "resumed from" in log, log
-    ref_dir, kill_dir = tmp_path / "ref" / "dapo-s0", tmp_path / "kill" / "dapo-s0"
+    ref_dir, kill_dir = tmp_path / "ref" / name, tmp_path / "kill" / name
     wa, wb = final_weights(ref_dir), final_weights(kill_dir)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics_without_timing(ref_dir) == metrics_without_timing(kill_dir)
