@@ -1,9 +1,13 @@
 import json
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per test process, train.py subprocesses included:
+import pytest  # noqa: E402  on a machine shared with another job, torch's one thread per core thrashes (issue 36:
+import torch  # noqa: E402  one test file took 411 s with the default and 27 s with one thread)
+
+torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's modules live at the top level
 

@@ -550,3 +550,15 @@ def test_lora_without_peft_is_one_line(tmp_path, capsys, tiny_policy_dir, monkey
     out = tmp_path / "out"
     refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--lora-rank", "4"] + SMALL, capsys, out,
             "--lora-rank needs the peft package: pip install peft")
+
+
+def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_path, tiny_policy_dir, capsys):
+    """Tests call train.main in-process: a run, a refused flag and a failed start-up each restore SIGINT/SIGTERM."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1"] + SMALL)
+    for argv in (["--lr", "-1"], ["--model", str(tmp_path / "no-such-model"), "--output-dir", str(tmp_path / "b")]):
+        with pytest.raises(SystemExit):
+            train.main(argv + SMALL)
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
