@@ -301,11 +301,14 @@ def check_table(path: Path) -> None:
                         "evaluation)")
 
 
-def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "") -> tuple[list, list]:
-    """(train, held-out) Examples from a file, a save_to_disk folder or a hub dataset (see the table above)."""
+def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "",
+                 split: bool = True) -> tuple[list, list]:
+    """(train, held-out) Examples from a file, a save_to_disk folder or a hub dataset (see the table above). With
+    `split` False, nothing is held out: (every row, []), or of a dataset with a test split (train, test) as it is."""
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json", ".txt"):
-        return heldout_split(load_jsonl(path, prompt_field, answer_field))
+        examples = load_jsonl(path, prompt_field, answer_field)
+        return heldout_split(examples) if split else (examples, [])
     if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise TaskError(f"dataset {path} is a folder; {ROWS_HINT} or a folder written by `datasets`' save_to_disk")
     looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
@@ -347,4 +350,4 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
                           for i, r in enumerate(splits[split])]
     if "test" in splits and train_name != "test":
         return at_least_two(rows(train_name), name), at_least_two(rows("test"), f"{name} [test]")
-    return heldout_split(at_least_two(rows(train_name), name))
+    return heldout_split(at_least_two(rows(train_name), name)) if split else (rows(train_name), [])

@@ -185,6 +185,9 @@ class Args:
     """held-out greedy evaluation every this many steps (and before and after training)"""
     eval_size: int = 0
     """held-out problems to evaluate; 0: all"""
+    eval_dataset: str = ""
+    """your own held-out set, read as --dataset is (formats, --prompt-field/--answer-field): its test split if it has
+    one, else every row; a file or hub --dataset then trains on all its rows. Default: a split of --dataset"""
     eval_samples: int = 0
     """also draw this many samples per held-out problem at --temperature and log eval/pass@1 and eval/pass@N
     (unbiased estimator); 0: greedy accuracy only"""
@@ -304,11 +307,20 @@ EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long")  # the remai
 
 
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
+    """(training, held-out) problems. With --eval-dataset, its rows (its test split, if it has one) are the held-out
+    set, and a file or hub --dataset keeps every row for training (an embedded task keeps its training split)."""
     if args.dataset == "embedded-add":
-        return task.addition_splits()
-    if args.dataset in EMBEDDED_TASKS:
-        return task.default_splits(instruct=args.dataset == "embedded-instruct", long=args.dataset == "embedded-long")
-    return task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config)
+        train, test = task.addition_splits()
+    elif args.dataset in EMBEDDED_TASKS:
+        train, test = task.default_splits(instruct=args.dataset == "embedded-instruct",
+                                          long=args.dataset == "embedded-long")
+    else:
+        train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,
+                                        split=not args.eval_dataset)
+    if args.eval_dataset:
+        rows, held = task.load_dataset(args.eval_dataset, args.prompt_field, args.answer_field, split=False)
+        test = held or rows
+    return train, test
 
 
 class PromptStream:
@@ -742,6 +754,9 @@ def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, po
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems; "
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
+    if len(test_set) < 20 and not args.eval_size:  # a small set of the user's own choosing needs no warning
+        lines.append(f"warning: only {len(test_set)} held-out problem{'s' * (len(test_set) != 1)}: held-out accuracy "
+                     f"moves in steps of 1/{len(test_set)}; pass a larger set of your own with --eval-dataset FILE")
     trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
                if args.lora_rank else "every weight (full fine-tune)")
     lines.append(f"model: {args.model}; trains {trained}"
@@ -949,7 +964,8 @@ def help_defaults() -> dict[str, str]:
             "run_name": "(default: <algo>[-<model>][-lora<r>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
             "resume": "(default: start a new run)", "wandb_group": "(default: none)",
-            "rollout_correction_min": "(default: no lower bound)"}
+            "rollout_correction_min": "(default: no lower bound)",
+            "eval_dataset": "(default: a split of --dataset)"}
 
 
 def main(argv: list[str] | None = None) -> None:

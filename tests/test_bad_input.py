@@ -559,6 +559,7 @@ def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_p
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1"] + SMALL)
     for argv in (["--lr", "-1"], ["--model", str(tmp_path / "no-such-model"), "--output-dir", str(tmp_path / "b")]):
-        with pytest.raises(SystemExit):
-            train.main(argv + SMALL)
+        with pytest.raises(SystemExit) as exc:
+            train.main(SMALL + argv)  # the bad flag last: the last of a repeated flag wins
+        assert exc.value.code == 2
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before

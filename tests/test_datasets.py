@@ -97,3 +97,23 @@ def test_a_table_file_loads_without_library_noise(tmp_path, capfd):
     task.load_dataset(str(tmp_path / "gsm.parquet"))
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # no "Generating train split" bars
+
+
+def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, capsys):
+    """--eval-dataset: its rows are the held-out set (same formats and field rules as --dataset), and the training
+    file keeps every row; a held-out set under 20 problems gets one warning naming --eval-dataset."""
+    train_rows = [{"q": f"{n} mod {d} =", "a": str(n % d)} for n in range(20, 40) for d in (3, 7)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows))
+    eval_rows = [{"q": f"{n} mod 5 =", "a": str(n % 5)} for n in range(50, 55)]
+    Dataset.from_list(eval_rows).to_parquet(str(tmp_path / "mine.parquet"))
+    args = train.Args(model=str(tiny_policy_dir), dataset=str(tmp_path / "train.jsonl"), prompt_field="q",
+                      answer_field="a", eval_dataset=str(tmp_path / "mine.parquet"), wandb_mode="disabled")
+    args = train.resolve(args)[0]
+    tr, te = train.load_data(args)
+    assert len(tr) == len(train_rows) and [e.prompt for e in te] == [r["q"] for r in eval_rows]
+    summary = train.train(train.replace(args, num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1,
+                                        output_dir=str(tmp_path / "runs"), save_model=False))
+    out = capsys.readouterr().out
+    assert "5 training" not in out and "40 training and 5 held-out problems" in out
+    assert out.count("warning: only 5 held-out problems") == 1 and "--eval-dataset" in out
+    assert "(5 problems)" in out and 0.0 <= summary["accuracy_after"] <= 1.0
