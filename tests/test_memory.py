@@ -52,3 +52,27 @@ def test_a_measurement_is_one_train_process_with_its_own_peak_rss(tmp_path, rand
     config = json.loads(next(tmp_path.glob("*/config.json")).read_text())
     assert (config["gradient_checkpointing"], config["lora_rank"], config["beta"]) == (checkpointing, rank, 0.04)
     assert 0.1 < m["rss_gib"] < 8 and m["step_s"] >= m["update_s"] > 0 and 1 <= m["completion"] <= 12
+
+
+SMOLLM2_CONFIG = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}  # its config.json's
+
+
+def test_memory_for_your_model_reads_its_config_alone(tmp_path, tiny_policy_dir):
+    """`python memory.py --model PATH`: the shape from config.json equals SmolLM2's in the measured table (and so
+    its estimate), and counts the embedded model's parameters exactly; the printout names each part and the fit."""
+    import torch
+
+    import memory
+    import model as models
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    s = memory.shape_of(str(tmp_path / "config.json"))
+    ref = memory.SMOLLM
+    assert (s.layers, s.hidden, s.intermediate, s.kv, s.vocab) == (ref.layers, ref.hidden, ref.intermediate, ref.kv,
+                                                                   ref.vocab)
+    assert abs(s.params - ref.params) / ref.params < 1e-3
+    policy, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    assert memory.shape_of(str(tiny_policy_dir)).params == sum(p.numel() for p in policy.parameters())
+    out = memory.for_model(memory.MemoryArgs(model=str(tmp_path), num_prompts=2, num_generations=4, lora_rank=16))
+    assert "LoRA r=16" in out and "adapter" in out and "peak" in out and out.count("rows per forward") == 3
