@@ -184,7 +184,7 @@ class Args:
     eval_every: int = 25
     """held-out greedy evaluation every this many steps (and before and after training)"""
     eval_size: int = 0
-    """held-out problems to evaluate; 0: all"""
+    """held-out problems to evaluate, spread evenly over the held-out set (the same ones in every run); 0: all"""
     eval_dataset: str = ""
     """your own held-out set, read as --dataset is (formats, --prompt-field/--answer-field): its test split if it has
     one, else every row; a file or hub --dataset then trains on all its rows. Default: a split of --dataset"""
@@ -304,6 +304,14 @@ def load_policy(args: Args, path: Path | None = None):
 
 
 EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long")  # the remainder task, in three forms
+
+
+def spread(examples: list, n: int) -> list:
+    """n problems drawn evenly across the list (every len/n-th), the same in every run: a representative subset of
+    a held-out set that is sorted (the embedded tasks' are, by divisor), where its first n would not be. 0: all."""
+    if not n or n >= len(examples):
+        return examples
+    return [examples[i * len(examples) // n] for i in range(n)]
 
 
 def load_data(args: Args) -> tuple[list[task.Example], list[task.Example]]:
@@ -744,14 +752,16 @@ def precision(policy) -> str:
     return name(compute) if compute == policy.dtype else f"{name(compute)} autocast, {name(policy.dtype)} weights"
 
 
-def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, policy, world: World) -> list[str]:
+def startup_lines(args: Args, run_dir: Path, train_set: list, test_set: list, policy, world: World,
+                  held_out: int = 0) -> list[str]:
     """Where the run's files go, what it trains on and with what: printed once before the first evaluation."""
     mode = network.wandb_mode(args.wandb_mode)
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
     lines = [f"run folder: {run_dir} (config.json, metrics.jsonl, final/); {wandb}",
-             f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems; "
+             f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
+             + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
     if len(test_set) < 20 and not args.eval_size:  # a small set of the user's own choosing needs no warning
@@ -818,7 +828,8 @@ def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | No
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
             train_set, test_set = load_data(args)
-            test_set = test_set[: args.eval_size or None]
+            held_out = len(test_set)
+            test_set = spread(test_set, args.eval_size)
             flags.check_references(train_set + test_set, args.answer_format)
             if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
                 flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
@@ -867,7 +878,7 @@ def start_run(args: Args, cfg: LossConfig, run_dir: Path, resume_from: Path | No
             print("pi_old: " + ("the sampler's own log-probs (no extra forward pass)" if old_from_sampler(policy, args)
                                 else "recomputed by one forward pass over each rollout before its first update"))
         print(f"{args.algo}: {cfg}")
-        print("\n".join(startup_lines(args, run_dir, train_set, test_set, policy, world)))
+        print("\n".join(startup_lines(args, run_dir, train_set, test_set, policy, world, held_out)))
         policy.train()
         if state:
             before = state["before"]

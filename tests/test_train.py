@@ -299,3 +299,14 @@ def test_bf16_run_with_rollout_correction_logs_the_mismatch_and_what_it_correcte
 def test_fp32_run_takes_pi_old_from_the_sampler_and_logs_no_mismatch(tmp_path, tiny_policy_dir):
     _, metrics, _ = run(tmp_path, tiny_policy_dir, algo="gspo", save_model=False)
     assert not any(k.startswith(("mismatch/", "correction/")) for m in metrics for k in m)
+
+
+def test_eval_size_takes_a_subset_spread_over_the_held_out_set():
+    """--eval-size N: every len/N-th problem, the same in every run; the embedded held-out set is sorted by divisor,
+    so a spread subset covers every divisor its first N would miss."""
+    test = train.load_data(train.resolve(train.Args())[0])[1]
+    sub = train.spread(test, 16)
+    assert len(sub) == 16 and sub == train.spread(test, 16) and sub[0] is test[0]
+    divisor = lambda ex: ex.prompt.split(" mod ")[1]  # noqa: E731
+    assert len({divisor(ex) for ex in sub}) > len({divisor(ex) for ex in test[:16]})
+    assert train.spread(test, 0) is test and train.spread(test, 10_000) is test
