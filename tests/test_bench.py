@@ -1,7 +1,8 @@
 """bench.py compares equal work: the TRL config it builds does the same arithmetic as our side (no TRL training)."""
 
 import pytest
-from trl import GRPOConfig
+
+GRPOConfig = pytest.importorskip("trl", reason="bench.py's comparison needs trl (in requirements-dev.txt)").GRPOConfig
 
 import bench
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytest.importorskip("peft", reason="LoRA needs peft (in requirements-dev.txt; optional for users)")
+
 import losses
 import model as models
 import rollout
