@@ -183,7 +183,7 @@ def box_message(text: str) -> str:
     above a dashed rule. The message ends at the next rule (tyro's help text follows)."""
     rule = set("─-━═+╭╮╰╯│| ")
     groups, current, titled = [], [], False
-    for i, line in enumerate(text.splitlines()):
+    for line in text.splitlines():
         inner = line.strip().strip("│|").strip()
         if not inner:
             continue

@@ -260,9 +260,18 @@ def rollout_correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Ten
         *_mask      w <- 0 where w < c_min or w > c_max                          masked IS (MIS; IcePop per token)
 
     No gradient flows through w (both log-probs are fixed for the update)."""
-    diff = (old_logp - sampler_logp) * mask  # (B, T)
     level, kind = mode.split("_")
-    w = torch.exp(diff.sum(-1, keepdim=True) if level == "sequence" else diff)  # (B, 1) or (B, T)
+    return bound_rollout_ratio(rollout_ratio(old_logp, sampler_logp, mask, level), kind, c_min, c_max)
+
+
+def rollout_ratio(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """w = pi_old / mu, unbounded: per token (B, T), or per sequence (B, 1) as the product of its token ratios."""
+    diff = (old_logp - sampler_logp) * mask  # (B, T)
+    return torch.exp(diff.sum(-1, keepdim=True) if level == "sequence" else diff)
+
+
+def bound_rollout_ratio(w: Tensor, kind: str, c_min: float | None, c_max: float | None) -> Tensor:
+    """truncate: w clamped to [c_min, c_max]; mask: 0 where w lies outside it (a missing bound is no bound)."""
     if kind == "truncate":
         return torch.clamp(w, min=c_min, max=c_max)
     low = -math.inf if c_min is None else c_min

@@ -601,9 +601,9 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
     if mu_seen is not None:
         metrics.update(diagnostics.mismatch_metrics(old_all, mu_seen, mask_seen))
     if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
-        w = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, *correction)
-        raw = losses.rollout_correction_weights(old_all, mu_seen, mask_seen, correction[0].split("_")[0] + "_mask",
-                                                None, None)  # w itself, no bound
+        level, kind = correction[0].split("_")
+        raw = losses.rollout_ratio(old_all, mu_seen, mask_seen, level)
+        w = losses.bound_rollout_ratio(raw, kind, *correction[1:])
         units = mask_seen if w.shape == mask_seen.shape else (mask_seen.sum(-1, keepdim=True) > 0).float()
         metrics["correction/weight_mean"] = losses.masked_mean(w, units)
         metrics["correction/changed_frac"] = losses.masked_mean((w != raw).float(), units)
@@ -646,7 +646,7 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     Returns the metrics and the greedy answers to show (examples_to_show)."""
     policy.eval()
     mine = examples[world.rank::world.size]
-    correct, reward, shown = [], [], []
+    correct, reward, texts = [], [], []
     for i in range(0, len(mine), chunk):
         rows = mine[i:i + chunk]
         parts = lifecycle.shrink_on_oom(  # PLUMBING: in smaller pieces after an out-of-memory error
@@ -655,7 +655,7 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
         for scored in parts:
             correct += scored.scores["correct"]
             reward += scored.scores["reward"]
-            shown += [(ex.prompt, text) for ex, text in zip(scored.examples, scored.texts)]
+            texts += scored.texts
     sums = [float(np.sum(correct)), float(np.sum(reward))]
     if args.eval_samples:
         n = args.eval_samples
@@ -675,21 +675,21 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     if args.eval_samples:
         out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
     policy.train()
-    return out, examples_to_show(mine, shown, correct, step)
+    return out, examples_to_show(mine, texts, correct, step)
 
 
-def examples_to_show(examples: list, shown: list, correct: list, step: int) -> list[tuple]:
+def examples_to_show(examples: list, texts: list, correct: list, step: int) -> list[tuple]:
     """For the screen, a different problem at each evaluation (the step picks where to look): the first one
     answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
     correct) each."""
-    n = len(shown)
+    n = len(texts)
     picked = {}
     for k in range(n):
         i = (step * 37 + k) % n
         picked.setdefault(bool(correct[i]), i)
         if len(picked) == 2:
             break
-    return [(shown[i][0], shown[i][1], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
+    return [(examples[i].prompt, texts[i], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

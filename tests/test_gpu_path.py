@@ -287,24 +287,30 @@ def test_a_model_folder_with_processors_trains_bit_identically_to_a_plain_copy(t
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"  # as the CPU says it
 
 
+def device_that_fits(monkeypatch, function: str, rows: int) -> None:
+    """train.<function> raises the CPU's out-of-memory error when called on more than `rows` rows (its third
+    argument), as on a device that holds no more; the remembered micro-batch sizes start afresh."""
+    import lifecycle
+
+    real = getattr(train, function)
+
+    def small_device(*args, **kwargs):
+        if len(args[2]) > rows:
+            raise RuntimeError(OOM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, function, small_device)
+    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
+
+
 def test_pi_old_and_reference_passes_fit_a_device_that_holds_two_rows(tmp_path, tiny_policy_dir, monkeypatch, capsys):
     """Before, pi_old (recomputed) and the reference were scored over the whole rollout in one forward, outside the
     halving: a device that fits 2 rows died at step 1. Now they compute what --micro-batch-size 2 computes."""
-    import lifecycle
-
     common = dict(algo="grpo", old_logprobs="recompute", total_steps=2, save_model=False)  # beta 0.04: a reference
     fixed = tmp_path / "fixed"
     train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(fixed),
                               "micro_batch_size": 2}))
-    real = train.logprobs_of
-
-    def small_device(policy, ro, rows, args, with_entropy=False):
-        if len(rows) > 2:
-            raise RuntimeError(OOM)
-        return real(policy, ro, rows, args, with_entropy)
-
-    monkeypatch.setattr(train, "logprobs_of", small_device)
-    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
+    device_that_fits(monkeypatch, "logprobs_of", 2)  # logprobs_of(policy, ro, rows, ...)
     auto = tmp_path / "auto"
     train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(auto)}))
     assert "out of memory at 8 rows" in capsys.readouterr().out
@@ -317,21 +323,11 @@ def test_pi_old_and_reference_passes_fit_a_device_that_holds_two_rows(tmp_path, 
 
 
 def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys):
-    import lifecycle
-
     args, _ = train.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "eval_size": 16}))
     policy, tok = train.load_policy(args)
     test_set = train.load_data(args)[1][:16]
     whole, _ = train.evaluate(policy, tok, test_set, args)
-    real = train.generate_and_score
-
-    def small_device(policy, tokenizer, rows, args, greedy=False):
-        if len(rows) > 4:
-            raise RuntimeError(OOM)
-        return real(policy, tokenizer, rows, args, greedy)
-
-    monkeypatch.setattr(train, "generate_and_score", small_device)
-    monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
+    device_that_fits(monkeypatch, "generate_and_score", 4)  # generate_and_score(policy, tokenizer, rows, ...)
     halved, _ = train.evaluate(policy, tok, test_set, args)
     assert halved == whole and "out of memory at 8 rows" in capsys.readouterr().out
 
