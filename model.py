@@ -21,10 +21,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
-import network
+from plumbing import network
 import rewards
 import task
-from errors import UserError
+from plumbing.errors import UserError
 
 
 

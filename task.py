@@ -29,9 +29,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import network
+from plumbing import network
 import rewards
-from errors import UserError
+from plumbing.errors import UserError
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 DIVISORS = [d for d in range(3, 20) if 10 % d != 0]

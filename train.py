@@ -39,20 +39,20 @@ from typing import Literal
 import numpy as np
 import torch
 
-import checkpoint
-import ddp
-import diagnostics
-import errors
-import flags
-import lifecycle
+from plumbing import checkpoint
+from plumbing import ddp
+from tools import diagnostics
+from plumbing import errors
+from plumbing import flags
+from plumbing import lifecycle
 import losses
 import model as models
-import network
+from plumbing import network
 import rewards
 import rollout
 import task
-from ddp import SINGLE, World
-from errors import DynamicSamplingError
+from plumbing.ddp import SINGLE, World
+from plumbing.errors import DynamicSamplingError
 from losses import LossConfig
 
 

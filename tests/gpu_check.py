@@ -78,7 +78,7 @@ def peak_memory(device: str, vocab: int, completion: int) -> None:
     """The update's peak device memory over 32 and 128 rollout rows at 8 rows per forward, pi_old recomputed."""
     if device != "cuda":
         report("pi_old pass peak memory", True, "skipped: torch.cuda.max_memory_allocated needs a GPU "
-               "(tests/test_gpu_path.py measures peak RSS on the CPU)")
+               "(tests/plumbing/test_gpu_path.py measures peak RSS on the CPU)")
         return
     peaks = {}
     for rows in (32, 128):
@@ -134,7 +134,7 @@ def bf16_pi_old(device: str) -> None:
 
 def bench_line(device: str) -> None:
     dtype = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
-    proc = subprocess.run([sys.executable, "bench.py", "--sides", "ours", "--repeats", "1", "--device", device,
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--sides", "ours", "--repeats", "1", "--device", device,
                            "--dtype", dtype], cwd=ROOT, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
     report("bench.py", proc.returncode == 0, " | ".join(lines[-3:])[:400] if lines else proc.stderr[-300:])
@@ -143,8 +143,8 @@ def bench_line(device: str) -> None:
 def mismatch_table(device: str, out: Path) -> None:
     """Sampler-trainer mismatch (#34), measured: one rollout per (model, precision), mu recorded by the sampler and
     pi_old recomputed in micro-batches of 8 rows, as train.py does; by completion-length quartile. Writes `out`."""
-    import bench
-    import diagnostics as losses  # the mismatch statistics and their thresholds
+    from tools import bench
+    from tools import diagnostics as losses  # the mismatch statistics and their thresholds
 
     cases = [("embedded (0.67M, seed 0 warm start)", str(models.warm_start(0)), "embedded", 16, 64)]
     try:

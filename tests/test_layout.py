@@ -1,23 +1,34 @@
-"""The house: the project's modules import each other without a cycle (function-local imports included)."""
+"""The house: core files at the top level, plumbing and research tools in their folders, and no import cycle
+(function-local imports included)."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CORE = {"train", "rollout", "losses", "rewards", "model", "task"}
+FOLDERS = ("plumbing", "tools")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted module name -> file: the top level's modules and the folders' (plumbing.ddp, tools.sweep, ...)."""
+    found = {p.stem: p for p in ROOT.glob("*.py")}
+    for folder in FOLDERS:
+        found.update({f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"})
+    return found
 
 
 def project_imports() -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its source (top level or inside functions)."""
-    modules = {p.stem for p in ROOT.glob("*.py")}
+    modules = project_modules()
     graph = {}
-    for name in modules:
+    for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse((ROOT / f"{name}.py").read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
+                found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
-        graph[name] = (found & modules) - {name}
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = (found & set(modules)) - {name}
     return graph
 
 
@@ -43,125 +54,32 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = project_imports()
-    assert {"train", "losses", "errors", "flags", "lifecycle", "model", "task", "network"} <= set(graph)
+    assert CORE | {"plumbing.errors", "plumbing.flags", "plumbing.lifecycle", "plumbing.network"} <= set(graph)
     assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
 def test_the_cycle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert {"model", "train"} <= project_imports()["sweep"]  # function-local imports are read too
+    assert {"model", "train"} <= project_imports()["tools.sweep"]  # function-local imports are read too
 
 
 def test_errors_is_the_ground_floor():
     """Every module may raise a user error, so errors.py imports nothing of the project but ddp (for the rank)."""
     graph = project_imports()
-    assert graph["errors"] <= {"ddp"} and graph["network"] == set()
+    assert graph["plumbing.errors"] <= {"plumbing.ddp"} and graph["plumbing.network"] == set()
 
 
-def test_readme_objectives_table_matches_the_presets():
-    """The preset values live in losses.PRESETS; the README's table restates them, so it is checked here."""
-    import losses
-
-    rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 8 and cells[0].startswith("`") and cells[0].strip("`") in losses.PRESETS:
-            rows[cells[0].strip("`")] = cells
-    assert set(rows) == set(losses.PRESETS)
-    for name, cfg in losses.PRESETS.items():
-        _, _, _, eps, _, agg, beta, _ = rows[name]
-        assert agg == f"`{cfg.loss_agg_mode}`", name
-        assert float(beta) == cfg.beta, name
-        if cfg.surrogate != "sapo":  # SAPO's clip range is unused; its cell names the temperatures
-            low, high = (float(x.split()[0]) for x in eps.split(" / "))
-            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
-        else:
-            assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
 
 
-def test_losses_docstring_table_matches_the_presets():
-    """losses.py's own table (read next to the papers) restates the presets too: level, ε, aggregation, β."""
-    import losses
-
-    rows = {}
-    for line in losses.__doc__.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 6 and cells[0] in losses.PRESETS:
-            rows[cells[0]] = cells
-    assert set(rows) == set(losses.PRESETS)
-    for name, cfg in losses.PRESETS.items():
-        _, level, eps, _, agg, beta, *_ = rows[name]
-        assert cfg.importance_sampling_level == level and cfg.loss_agg_mode == agg and float(beta) == cfg.beta, name
-        if cfg.surrogate != "sapo":
-            low, high = (float(x.split()[0]) for x in eps.split(" / "))
-            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
+def test_the_top_level_holds_the_design():
+    """The top level is the algorithm's files; everything else is in a folder that says what it is."""
+    assert {p.stem for p in ROOT.glob("*.py")} == CORE
 
 
-def documented_train_commands() -> list[tuple[str, list[str], int]]:
-    """(where, train.py's argv, processes) for every `python train.py` / `torchrun ... train.py` line in a ```bash
-    block of the README and the docs it links, in reading order, then of every other page under docs/."""
-    import re
-    import shlex
-
-    readme = (ROOT / "README.md").read_text()
-    docs = ["README.md"] + list(dict.fromkeys(re.findall(r"\]\((docs/[\w/.-]+\.md)\)", readme)))
-    docs += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md") if str(p.relative_to(ROOT)) not in docs)
-    found = []
-    for doc in docs:
-        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
-            for line in block.replace("\\\n", " ").splitlines():
-                for command in line.split("&&"):
-                    words = shlex.split(command, comments=True)
-                    if "train.py" in words and words[0] in ("python", "torchrun"):
-                        procs = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
-                        found.append((f"{doc}: {shlex.join(words)}", words[words.index("train.py") + 1:], procs))
-    return found
-
-
-def test_documented_commands_run_in_order_without_a_refusal(monkeypatch):
-    """Issue 25: each documented training command writes a run folder no earlier one wrote (a finished run is
-    refused), unless it resumes or overwrites that run on purpose."""
-    import tyro
-
-    import train
-
-    commands = documented_train_commands()
-    assert len(commands) >= 8 and any(p == 2 for _, _, p in commands)  # the README's, the docs', torchrun's
-    seen = {}
-    for where, argv, procs in commands:
-        monkeypatch.setattr(train.ddp, "world_size", lambda procs=procs: procs)
-        args = tyro.cli(train.Args, args=argv)
-        folder = Path(args.output_dir) / (args.run_name or train.default_run_name(args))
-        if folder in seen and not (args.resume or args.overwrite):
-            raise AssertionError(f"{where} writes {folder}, which {seen[folder]} already wrote: it would be refused")
-        seen.setdefault(folder, where)
-
-
-def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
-    import train
-
-    def name(procs=1, **kw):
-        monkeypatch.setattr(train.ddp, "world_size", lambda: procs)
-        return train.default_run_name(train.Args(**kw))
-
-    assert name() == "gspo-s0" and name(algo="dapo", seed=3) == "dapo-s3"
-    assert name(model="/tmp/cache/warm-start-5f62601e1774") == "gspo-s0"  # a warm start is the embedded model
-    assert name(model="Qwen/Qwen2.5-0.5B-Instruct", dataset="data/gsm8k.jsonl") == "gspo-Qwen2.5-0.5B-Instruct-gsm8k-s0"
-    assert name(model="./SmolLM2-135M-Instruct.Q4_1.gguf") == "gspo-SmolLM2-135M-Instruct.Q4_1-s0"
-    assert name(model="./my-checkpoint/", dataset="embedded-long") == "gspo-my-checkpoint-embedded-long-s0"
-    assert name(procs=2, dataset="openai/gsm8k", dataset_config="main") == "gspo-gsm8k-main-np2-s0"
-    assert name(lora_rank=16) == "gspo-lora16-s0"  # the LoRA command of docs/reference.md lands beside the default run
-
-
-def test_documented_answer_lengths_are_the_tasks():
-    """The tasks' answer lengths have one home (task.py); the docs quote them and are checked here."""
-    import task
-
-    for long, old in ((False, "10-55"), (True, "20-300")):
-        lens = [task.completion_tokens(task.solve(p)) for p in task.split(False, long) + task.split(True, long)]
-        quoted = f"{min(lens)}-{max(lens)} tokens"
-        assert quoted in (ROOT / "README.md").read_text(), quoted
-        for f in ["README.md", "train.py", "study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
-            assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
-
+def test_the_core_does_not_import_the_research_tools():
+    """The research tools are built on train.py, not the other way round (diagnostics, the study's per-step
+    instrumentation, is the one tool the loop logs)."""
+    graph = project_imports()
+    for name in CORE:
+        assert {m for m in graph[name] if m.startswith("tools.")} <= {"tools.diagnostics"}, name

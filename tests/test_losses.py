@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import diagnostics
+from tools import diagnostics
 import losses
 from losses import PRESETS, LossConfig, StepNorm
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.slow
 def test_smollm_gguf_loads_and_answers_in_the_chat_format():
-    import bench
+    from tools import bench
 
     policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)
     assert sum(p.numel() for p in policy.parameters()) > 100e6

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import diagnostics
+from tools import diagnostics
 import losses
 from losses import PRESETS, StepNorm
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import errors
-import lifecycle
-import network
+from plumbing import errors
+from plumbing import lifecycle
+from plumbing import network
 import train
 
 from conftest import SMALL_ARGS  # noqa: E402

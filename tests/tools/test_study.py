@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import study
-import sweep
+from tools import study
+from tools import sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_study_expands_to_the_documented_grid():
@@ -41,7 +41,7 @@ def test_study_expands_to_the_documented_grid():
     assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
     assert {n for n in successors if n.startswith("base-")} == {f"base-cispo-s{i}" for i in range(5)} | {
         f"base-{a}-s0" for a in ("sapo", "gmpo")}
-    for cell, (_, arms) in study.CELLS.items():  # documented where `python study.py --help` shows it
+    for cell, (_, arms) in study.CELLS.items():  # documented where `python -m tools.study --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
 
@@ -200,7 +200,7 @@ def test_a_mislogged_metric_is_dropped_from_the_runs_that_logged_it_only(tmp_pat
 
 @pytest.mark.slow
 def test_the_committed_report_is_the_rebuild_of_the_committed_data(tmp_path):
-    """docs/study/ and the README's study section are what `python study.py --report-only` makes of docs/study/data."""
+    """docs/study/ and the README's study section are what `python -m tools.study --report-only` makes of docs/study/data."""
     runs = study.load(ROOT / "docs" / "study" / "data")
     assert runs, "no committed study data"
     readme = tmp_path / "README.md"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import UserError
+from plumbing.errors import UserError
 
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
@@ -118,7 +118,7 @@ def load_state(path: Path) -> dict:
             raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")  # writes
         raise CheckpointError(f"{path}/state.pt holds objects other than tensors and plain data, which could run code "
                               "when loaded, so it was not loaded (checkpoints of this trainer before 2026-12-02 hold "
-                              "numpy arrays); if you trust its source, convert it with `python checkpoint.py "
+                              "numpy arrays); if you trust its source, convert it with `python -m plumbing.checkpoint "
                               f"--convert-trusted {path}`, else {hint}")
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
@@ -185,6 +185,6 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3 or sys.argv[1] != "--convert-trusted":
-        sys.exit("usage: python checkpoint.py --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)")
+        sys.exit("usage: python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)")
     convert_trusted(Path(sys.argv[2]))
     print(f"converted {sys.argv[2]}/state.pt: it loads with weights_only now")

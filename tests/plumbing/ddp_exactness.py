@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py under `torchrun --nproc-per-node 2`: is a data-parallel update the one-process update?
+"""Run by tests/plumbing/test_ddp.py under `torchrun --nproc-per-node 2`: is a data-parallel update the one-process update?
 
 Every rank samples the same fixed rollout (same model, same seed), keeps its half of the groups and runs
 train.update through DistributedDataParallel; rank 0 also runs train.update alone on the whole rollout, from the
@@ -7,7 +7,7 @@ same weights. The optimizer is plain SGD and clipping is off, so the parameter c
 preset and case, the relative difference ||d_ddp - d_one|| / ||d_one|| of the parameter changes, and the same for
 a deliberately wrong update whose normalisers are each rank's own (the pitfall the global normalisers avoid).
 
-    torchrun --nproc-per-node 2 tests/ddp_exactness.py MODEL_DIR OUT.json [float64|float32]
+    torchrun --nproc-per-node 2 tests/plumbing/ddp_exactness.py MODEL_DIR OUT.json [float64|float32]
 
 The updates run in float64 by default, so that what is compared is the arithmetic of the split (fp32 rounding of
 sums taken in another order and of matmuls of another batch shape is ~3e-6 relative on its own).
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import ddp  # noqa: E402
+from plumbing import ddp  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
 

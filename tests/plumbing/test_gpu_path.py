@@ -290,7 +290,7 @@ OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"  
 def device_that_fits(monkeypatch, function: str, rows: int) -> None:
     """train.<function> raises the CPU's out-of-memory error when called on more than `rows` rows (its third
     argument), as on a device that holds no more; the remembered micro-batch sizes start afresh."""
-    import lifecycle
+    from plumbing import lifecycle
 
     real = getattr(train, function)
 
@@ -439,7 +439,7 @@ def test_dropout_is_off_so_an_unchanged_policy_scores_alike_twice(family, tmp_pa
 
 
 def test_ddp_turns_buffer_sync_off_by_the_name_its_torch_knows():
-    import ddp
+    from plumbing import ddp
 
     class Old:  # torch 2.4-2.12's DistributedDataParallel
         def __init__(self, module, device_ids=None, broadcast_buffers=True):

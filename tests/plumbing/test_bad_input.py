@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
-import errors
+from plumbing import checkpoint
+from plumbing import errors
 import train
 
 from conftest import SMALL  # noqa: E402  the shared small run, as flags
@@ -323,7 +323,7 @@ def test_hub_dataset_fails_within_seconds(tmp_path, capsys, monkeypatch, tiny_po
 def test_hub_dataset_without_the_datasets_package(tmp_path, capsys, monkeypatch, tiny_policy_dir):
     import builtins
 
-    import network
+    from plumbing import network
 
     monkeypatch.setattr(network, "hub_offline", lambda: False)  # as if the hub answered
 
@@ -533,7 +533,7 @@ def test_minutes_after_a_resume_count_the_whole_run(tmp_path, tiny_policy_dir):
 
 
 def test_user_errors_are_what_main_turns_into_one_line():
-    import checkpoint
+    from plumbing import checkpoint
     import model
     import task
 

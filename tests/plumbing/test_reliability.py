@@ -14,15 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import checkpoint
-import diagnostics
-import lifecycle
+from plumbing import checkpoint
+from tools import diagnostics
+from plumbing import lifecycle
 import losses
 import rewards
 import train
 from losses import PRESETS, StepNorm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from conftest import SMALL, final_weights, metrics_without_timing  # noqa: E402  the shared small run, as flags
 
 

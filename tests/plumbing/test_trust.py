@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
+from plumbing import checkpoint
 import model as models
 import train
 from conftest import SMALL
@@ -44,7 +44,7 @@ def test_a_state_pt_that_would_run_code_is_refused_in_one_line(tmp_path, capsys,
 
 
 def test_an_older_checkpoint_converts_once_trusted_and_resumes(tmp_path, capsys, tiny_policy_dir):
-    """Checkpoints written before this change hold numpy RNG arrays: refused as they are, and `python checkpoint.py
+    """Checkpoints written before this change hold numpy RNG arrays: refused as they are, and `python -m plumbing.checkpoint
     --convert-trusted` turns one into the safe form, after which the resume goes on."""
     argv, ckpt = checkpointed_run(tmp_path, tiny_policy_dir)
     state = torch.load(ckpt / "state.pt", weights_only=True)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from plumbing import checkpoint
 from conftest import final_weights, metrics_without_timing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
          "--num-minibatches", "2"]
 
@@ -43,7 +43,7 @@ def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
     rounding). The same comparison with per-rank normalisers shows what the check would catch: DAPO's token-mean
     moves by 10-50%, while the sequence-mean objectives, with equal rows per rank, do not need the global count."""
     out = tmp_path / "exact.json"
-    code, _, err = finish(torchrun(2, "tests/ddp_exactness.py", [str(tiny_policy_dir), str(out)]))
+    code, _, err = finish(torchrun(2, "tests/plumbing/ddp_exactness.py", [str(tiny_policy_dir), str(out)]))
     assert code == 0, err[-3000:]
     results = json.loads(out.read_text())
     assert len(results) == 20  # 4 presets x 5 cases (one with LoRA)
@@ -140,7 +140,7 @@ def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monk
     """torchrun stops every process once one exits: had rank 1 exited at once on a bad flag, rank 0 could be killed
     before printing it (seen once in CI: no error line at all; reproduced by delaying rank 0 by 3 s). Rank 1 now
     waits, with SIGTERM at its default so that torchrun's stop ends the wait; a per-rank error is its own to print."""
-    import errors
+    from plumbing import errors
 
     waits, handlers = [], []
     monkeypatch.setattr(errors.time, "sleep", waits.append)
@@ -159,8 +159,8 @@ def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monk
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
     """NCCL needs a GPU per process: torchrun with 2 processes on a 1-GPU machine is refused before any set-up."""
-    import errors
-    import flags
+    from plumbing import errors
+    from plumbing import flags
     import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -175,7 +175,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
 
 
 def test_peer_failures_are_told_apart_from_bugs(monkeypatch):
-    import ddp
+    from plumbing import ddp
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "

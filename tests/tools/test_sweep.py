@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import sweep
+from tools import sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_sweep(tmp_path, model_dir):
-    cmd = [sys.executable, "sweep.py", "--algos", "gspo", "grpo", "--seeds", "0", "--parallel", "2",
+    cmd = [sys.executable, "-m", "tools.sweep", "--algos", "gspo", "grpo", "--seeds", "0", "--parallel", "2",
            "--name", "micro", "--output-dir", str(tmp_path), "--model", str(model_dir),
            "--total-steps", "3", "--eval-every", "1", "--eval-size", "8", "--num-prompts", "4",
            "--num-generations", "4", "--max-new-tokens", "24", "--set", "lr=1e-3,5e-4",
@@ -99,7 +99,7 @@ def test_repeated_set_flags_are_gathered_and_mistakes_refused():
 
 @pytest.mark.slow
 def test_a_bad_set_is_one_line_before_any_run(tmp_path):
-    done = subprocess.run([sys.executable, "sweep.py", "--set", "lr=1e-4", "--set", "lr=2e-4", "--output-dir",
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", "--set", "lr=1e-4", "--set", "lr=2e-4", "--output-dir",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: --set names lr twice; give all its values in one: --set lr=v1,v2"]
@@ -107,7 +107,7 @@ def test_a_bad_set_is_one_line_before_any_run(tmp_path):
 
 
 def test_report_only_without_runs_or_data_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "sweep.py", "--report-only", "--output-dir", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tools.sweep", "--report-only", "--output-dir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert done.stderr.startswith("error: no finished runs under") and "without --report-only" in done.stderr
@@ -116,7 +116,7 @@ def test_report_only_without_runs_or_data_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_committed_sweep_report_is_what_its_data_makes(tmp_path):
-    """docs/sweep/ is `python sweep.py --report-only --report-dir docs/sweep` of docs/sweep/data: the table, and
+    """docs/sweep/ is `python -m tools.sweep --report-only --report-dir docs/sweep` of docs/sweep/data: the table, and
     every figure with as many points as the runs give."""
     runs = sweep.load_runs(ROOT / "docs" / "sweep" / "data")
     assert len(runs) == 12 and {r["config"]["algo"] for r in runs} == set(sweep.ALGOS)

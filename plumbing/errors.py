@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-import ddp
+from plumbing import ddp
 
 
 class UserError(Exception):

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_memory_table_in_the_docs_is_the_estimate_and_counts_lora_as_peft_does(tiny_policy_dir):
     import torch
 
-    import memory
+    from tools import memory
     import model as models
 
     docs = (ROOT / "docs" / "reference.md").read_text()
@@ -42,7 +42,7 @@ def test_a_measurement_is_one_train_process_with_its_own_peak_rss(tmp_path, rand
                                                                   rank):
     """measure_one runs the set-up it names (the run's config says so) and reads back this child's peak RSS, the
     last step's seconds and the longest completion, within the budget it was given."""
-    import memory
+    from tools import memory
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
@@ -59,11 +59,11 @@ SMOLLM2_CONFIG = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_siz
 
 
 def test_memory_for_your_model_reads_its_config_alone(tmp_path, tiny_policy_dir):
-    """`python memory.py --model PATH`: the shape from config.json equals SmolLM2's in the measured table (and so
+    """`python -m tools.memory --model PATH`: the shape from config.json equals SmolLM2's in the measured table (and so
     its estimate), and counts the embedded model's parameters exactly; the printout names each part and the fit."""
     import torch
 
-    import memory
+    from tools import memory
     import model as models
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))

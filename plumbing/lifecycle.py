@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import flags
-from errors import ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OutOfMemory
+from plumbing import checkpoint
+from plumbing import flags
+from plumbing.errors import ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OutOfMemory
 
 # ---------------------------------------------------------------------------------------------------------------
 # Before start-up: what can be checked without loading or writing

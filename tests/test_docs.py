@@ -1,0 +1,114 @@
+"""Documentation consistency: what the README and docs/ restate (the presets' table, the documented commands, the
+tasks' answer lengths) is checked against the code."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_objectives_table_matches_the_presets():
+    """The preset values live in losses.PRESETS; the README's table restates them, so it is checked here."""
+    import losses
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 8 and cells[0].startswith("`") and cells[0].strip("`") in losses.PRESETS:
+            rows[cells[0].strip("`")] = cells
+    assert set(rows) == set(losses.PRESETS)
+    for name, cfg in losses.PRESETS.items():
+        _, _, _, eps, _, agg, beta, _ = rows[name]
+        assert agg == f"`{cfg.loss_agg_mode}`", name
+        assert float(beta) == cfg.beta, name
+        if cfg.surrogate != "sapo":  # SAPO's clip range is unused; its cell names the temperatures
+            low, high = (float(x.split()[0]) for x in eps.split(" / "))
+            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
+        else:
+            assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
+
+
+def test_losses_docstring_table_matches_the_presets():
+    """losses.py's own table (read next to the papers) restates the presets too: level, ε, aggregation, β."""
+    import losses
+
+    rows = {}
+    for line in losses.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] in losses.PRESETS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(losses.PRESETS)
+    for name, cfg in losses.PRESETS.items():
+        _, level, eps, _, agg, beta, *_ = rows[name]
+        assert cfg.importance_sampling_level == level and cfg.loss_agg_mode == agg and float(beta) == cfg.beta, name
+        if cfg.surrogate != "sapo":
+            low, high = (float(x.split()[0]) for x in eps.split(" / "))
+            assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
+
+
+def documented_train_commands() -> list[tuple[str, list[str], int]]:
+    """(where, train.py's argv, processes) for every `python train.py` / `torchrun ... train.py` line in a ```bash
+    block of the README and the docs it links, in reading order, then of every other page under docs/."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    docs = ["README.md"] + list(dict.fromkeys(re.findall(r"\]\((docs/[\w/.-]+\.md)\)", readme)))
+    docs += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md") if str(p.relative_to(ROOT)) not in docs)
+    found = []
+    for doc in docs:
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                for command in line.split("&&"):
+                    words = shlex.split(command, comments=True)
+                    if "train.py" in words and words[0] in ("python", "torchrun"):
+                        procs = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
+                        found.append((f"{doc}: {shlex.join(words)}", words[words.index("train.py") + 1:], procs))
+    return found
+
+
+def test_documented_commands_run_in_order_without_a_refusal(monkeypatch):
+    """Issue 25: each documented training command writes a run folder no earlier one wrote (a finished run is
+    refused), unless it resumes or overwrites that run on purpose."""
+    import tyro
+
+    import train
+
+    commands = documented_train_commands()
+    assert len(commands) >= 8 and any(p == 2 for _, _, p in commands)  # the README's, the docs', torchrun's
+    seen = {}
+    for where, argv, procs in commands:
+        monkeypatch.setattr(train.ddp, "world_size", lambda procs=procs: procs)
+        args = tyro.cli(train.Args, args=argv)
+        folder = Path(args.output_dir) / (args.run_name or train.default_run_name(args))
+        if folder in seen and not (args.resume or args.overwrite):
+            raise AssertionError(f"{where} writes {folder}, which {seen[folder]} already wrote: it would be refused")
+        seen.setdefault(folder, where)
+
+
+def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
+    import train
+
+    def name(procs=1, **kw):
+        monkeypatch.setattr(train.ddp, "world_size", lambda: procs)
+        return train.default_run_name(train.Args(**kw))
+
+    assert name() == "gspo-s0" and name(algo="dapo", seed=3) == "dapo-s3"
+    assert name(model="/tmp/cache/warm-start-5f62601e1774") == "gspo-s0"  # a warm start is the embedded model
+    assert name(model="Qwen/Qwen2.5-0.5B-Instruct", dataset="data/gsm8k.jsonl") == "gspo-Qwen2.5-0.5B-Instruct-gsm8k-s0"
+    assert name(model="./SmolLM2-135M-Instruct.Q4_1.gguf") == "gspo-SmolLM2-135M-Instruct.Q4_1-s0"
+    assert name(model="./my-checkpoint/", dataset="embedded-long") == "gspo-my-checkpoint-embedded-long-s0"
+    assert name(procs=2, dataset="openai/gsm8k", dataset_config="main") == "gspo-gsm8k-main-np2-s0"
+    assert name(lora_rank=16) == "gspo-lora16-s0"  # the LoRA command of docs/reference.md lands beside the default run
+
+
+def test_documented_answer_lengths_are_the_tasks():
+    """The tasks' answer lengths have one home (task.py); the docs quote them and are checked here."""
+    import task
+
+    for long, old in ((False, "10-55"), (True, "20-300")):
+        lens = [task.completion_tokens(task.solve(p)) for p in task.split(False, long) + task.split(True, long)]
+        quoted = f"{min(lens)}-{max(lens)} tokens"
+        assert quoted in (ROOT / "README.md").read_text(), quoted
+        for f in ["README.md", "train.py", "tools/study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
+            assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
+
