@@ -22,7 +22,6 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
 from plumbing import network
-import rewards
 import task
 from plumbing.errors import UserError
 
@@ -316,24 +315,6 @@ def end_of_turn_id(tokenizer) -> int | None:
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = ids[0] in tokenizer.all_special_ids or (ids[0] in added and added[ids[0]].special)
     return ids[0] if special else None
-
-
-TEMPLATE_DATE = "26 Jul 2024"  # for templates that write a date (Llama 3.x): the same prompts on every day
-
-
-def format_prompt(tokenizer, prompt: str, answer_format: str = "tags", enable_thinking: bool = False) -> str:
-    """A model with a chat template gets the prompt as a user turn, told where the verifier will look for the
-    answer (rewards.INSTRUCTIONS), with thinking off unless asked (Qwen3's template thinks by default, and a chain
-    of thought outgrows the usual budgets) and a fixed date; a model without one sees the bare prompt, after its BOS
-    if its tokenizer adds one (rollout.generate tokenizes without special tokens). The embedded model has neither."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{prompt}\n{rewards.INSTRUCTIONS[answer_format]}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking, date_string=TEMPLATE_DATE)
-    bos = tokenizer.bos_token
-    if bos and tokenizer("1")["input_ids"][:1] == [tokenizer.bos_token_id] and not prompt.startswith(bos):
-        return bos + prompt
-    return prompt
 
 
 # ---------------------------------------------------------------------------------------------------------------

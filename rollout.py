@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import rewards
+
 
 @dataclass
 class Rollout:
@@ -108,6 +110,24 @@ class SamplerLogprobs:
         return torch.stack(self.logp, dim=1), torch.stack(self.entropy, dim=1)
 
 
+TEMPLATE_DATE = "26 Jul 2024"  # for templates that write a date (Llama 3.x): the same prompts on every day
+
+
+def format_prompt(tokenizer, prompt: str, answer_format: str = "tags", enable_thinking: bool = False) -> str:
+    """A model with a chat template gets the prompt as a user turn, told where the verifier will look for the
+    answer (rewards.INSTRUCTIONS), with thinking off unless asked (Qwen3's template thinks by default, and a chain
+    of thought outgrows the usual budgets) and a fixed date; a model without one sees the bare prompt, after its BOS
+    if its tokenizer adds one (rollout.generate tokenizes without special tokens). The embedded model has neither."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": f"{prompt}\n{rewards.INSTRUCTIONS[answer_format]}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=enable_thinking, date_string=TEMPLATE_DATE)
+    bos = tokenizer.bos_token
+    if bos and tokenizer("1")["input_ids"][:1] == [tokenizer.bos_token_id] and not prompt.startswith(bos):
+        return bos + prompt
+    return prompt
+
+
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
              greedy: bool = False) -> Rollout:
@@ -131,6 +151,12 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     if recorder is not None:
         ro.sampler_logp, ro.sampler_entropy = recorder.result(completion)
     return ro.to("cpu")  # host-side from here on (see Rollout)
+
+
+def decode(tokenizer, ro: Rollout) -> list[str]:
+    """Each completion's text up to and including its first EOS (special tokens dropped)."""
+    valid = ro.completion_ids * ro.completion_mask + tokenizer.pad_token_id * (1 - ro.completion_mask)
+    return tokenizer.batch_decode(valid, skip_special_tokens=True)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False):

@@ -30,6 +30,7 @@ import losses
 import model as models
 from plumbing import network
 import rewards
+import rollout
 from plumbing.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,11 +110,12 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
 def docstrings_as_help(cls):
     """Hand each dataclass field's docstring to tyro as its --help text, as one paragraph. (tyro 1.0.17 removes single
     line breaks before dedenting, so a field docstring's indented continuation lines stay hard breaks in --help.)"""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            f = cls.__dataclass_fields__[node.target.id]
-            f.metadata = types.MappingProxyType({**f.metadata, "help": " ".join(str(after.value.value).split())})
+    for klass in cls.__mro__[:-1]:  # the class and the groups it inherits (train.Args: plumbing/settings.py's)
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                f = cls.__dataclass_fields__[node.target.id]
+                f.metadata = types.MappingProxyType({**f.metadata, "help": " ".join(str(after.value.value).split())})
     return cls
 
 
@@ -318,7 +320,7 @@ def check_prompt_lengths(tokenizer, context: int | None, examples: list, max_new
     and context are known before its warm start is built, so this runs before minutes of work."""
     if not context:
         return
-    prompts = [models.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
+    prompts = [rollout.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]  # one batched call
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens > context:

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import model as models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from plumbing import run as runs
 
 RESULTS: list[tuple[str, bool, str]] = []
 
@@ -86,7 +87,7 @@ def peak_memory(device: str, vocab: int, completion: int) -> None:
         ids = torch.randint(vocab, (rows, 16 + completion))
         ro = rollout.Rollout(ids[:, :16], torch.ones(rows, 16, dtype=torch.long), ids[:, 16:],
                              torch.ones(rows, completion, dtype=torch.long), torch.zeros(rows, dtype=torch.bool))
-        args, cfg = train.resolve(train.Args(num_minibatches=rows // 8, micro_batch_size=8, old_logprobs="recompute",
+        args, cfg = runs.resolve(train.Args(num_minibatches=rows // 8, micro_batch_size=8, old_logprobs="recompute",
                                              max_new_tokens=completion))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
@@ -108,8 +109,8 @@ def bf16_pi_old(device: str) -> None:
     recomputed whole and in micro-batches of 8 rows."""
     policy, tok = models.load_model(str(models.warm_start(0)), torch.device(device), torch.float32)
     policy = models.compute_in(policy, torch.bfloat16)  # CPU autocast has bf16 too: slower, the same question
-    args, _ = train.resolve(train.Args())
-    prompts = [models.format_prompt(tok, ex.prompt) for ex in train.load_data(args)[0][:16] for _ in range(8)]
+    args, _ = runs.resolve(train.Args())
+    prompts = [rollout.format_prompt(tok, ex.prompt) for ex in runs.load_data(args)[0][:16] for _ in range(8)]
     torch.manual_seed(0)
     ro = rollout.generate(policy, tok, prompts, args.max_new_tokens)
     dev = ro.to(device)
@@ -159,10 +160,10 @@ def mismatch_table(device: str, out: Path) -> None:
             t0 = time.time()
             policy, tok = models.load_model(path, torch.device(device), torch.float32)
             policy = models.compute_in(policy, dtype)
-            args, _ = train.resolve(train.Args(dataset=dataset, model=path, max_new_tokens=new_tokens,
+            args, _ = runs.resolve(train.Args(dataset=dataset, model=path, max_new_tokens=new_tokens,
                                                answer_format="last-number" if dataset == "embedded-add" else "tags"))
-            texts = [models.format_prompt(tok, ex.prompt, args.answer_format)
-                     for ex in train.load_data(args)[0][:prompts] for _ in range(8)]
+            texts = [rollout.format_prompt(tok, ex.prompt, args.answer_format)
+                     for ex in runs.load_data(args)[0][:prompts] for _ in range(8)]
             torch.manual_seed(0)
             ro = rollout.generate(policy, tok, texts, new_tokens)
             dev = ro.to(device)

@@ -1,5 +1,6 @@
 """Datasets from files, save_to_disk folders and (offline) the `datasets` library: fields, splits, GSM8K/MATH answers."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,6 +8,7 @@ from datasets import Dataset, DatasetDict
 
 import task
 import train
+from plumbing import run as runs
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "id": i} for i in range(40)]
 
@@ -108,10 +110,10 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
     Dataset.from_list(eval_rows).to_parquet(str(tmp_path / "mine.parquet"))
     args = train.Args(model=str(tiny_policy_dir), dataset=str(tmp_path / "train.jsonl"), prompt_field="q",
                       answer_field="a", eval_dataset=str(tmp_path / "mine.parquet"), wandb_mode="disabled")
-    args = train.resolve(args)[0]
-    tr, te = train.load_data(args)
+    args = runs.resolve(args)[0]
+    tr, te = runs.load_data(args)
     assert len(tr) == len(train_rows) and [e.prompt for e in te] == [r["q"] for r in eval_rows]
-    summary = train.train(train.replace(args, num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1,
+    summary = train.train(dataclasses.replace(args, num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1,
                                         output_dir=str(tmp_path / "runs"), save_model=False))
     out = capsys.readouterr().out
     assert "5 training" not in out and "40 training and 5 held-out problems" in out

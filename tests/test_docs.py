@@ -73,13 +73,15 @@ def test_documented_commands_run_in_order_without_a_refusal(monkeypatch):
 
     import train
 
+    from plumbing import run as runs
+
     commands = documented_train_commands()
     assert len(commands) >= 8 and any(p == 2 for _, _, p in commands)  # the README's, the docs', torchrun's
     seen = {}
     for where, argv, procs in commands:
         monkeypatch.setattr(train.ddp, "world_size", lambda procs=procs: procs)
         args = tyro.cli(train.Args, args=argv)
-        folder = Path(args.output_dir) / (args.run_name or train.default_run_name(args))
+        folder = Path(args.output_dir) / (args.run_name or runs.default_run_name(args))
         if folder in seen and not (args.resume or args.overwrite):
             raise AssertionError(f"{where} writes {folder}, which {seen[folder]} already wrote: it would be refused")
         seen.setdefault(folder, where)
@@ -87,10 +89,11 @@ def test_documented_commands_run_in_order_without_a_refusal(monkeypatch):
 
 def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
     import train
+    from plumbing import run as runs
 
     def name(procs=1, **kw):
         monkeypatch.setattr(train.ddp, "world_size", lambda: procs)
-        return train.default_run_name(train.Args(**kw))
+        return runs.default_run_name(train.Args(**kw))
 
     assert name() == "gspo-s0" and name(algo="dapo", seed=3) == "dapo-s3"
     assert name(model="/tmp/cache/warm-start-5f62601e1774") == "gspo-s0"  # a warm start is the embedded model

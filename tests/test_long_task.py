@@ -10,6 +10,7 @@ import model as models
 import rewards
 import task
 import train
+from plumbing import run as runs
 
 
 def test_answers_are_right_and_verified():
@@ -66,10 +67,10 @@ def test_long_teacher_slips_only_on_the_first_step():
 
 
 def test_defaults_follow_the_dataset():
-    long_args, _ = train.resolve(train.Args(dataset="embedded-long"))
-    short_args, _ = train.resolve(train.Args())
+    long_args, _ = runs.resolve(train.Args(dataset="embedded-long"))
+    short_args, _ = runs.resolve(train.Args())
     assert long_args.max_new_tokens == task.LONG_MAX_NEW_TOKENS and short_args.max_new_tokens == 64
-    assert train.resolve(train.Args(dataset="embedded-long", max_new_tokens=100))[0].max_new_tokens == 100
+    assert runs.resolve(train.Args(dataset="embedded-long", max_new_tokens=100))[0].max_new_tokens == 100
     assert models.warm_start_settings("embedded-long")["task"] == "long"
     assert "task" not in models.warm_start_settings("embedded")  # the default recipe (and its cache key) unchanged
 
@@ -79,12 +80,12 @@ def test_warm_start_lands_in_the_accuracy_window():
     """The real long-task warm start (built once, ~3.6 min on 2 cores; cached): greedy held-out accuracy between 15%
     and 50%, and sampled groups with mixed correctness, so RL has something to fix and a signal to fix it with."""
     path = models.warm_start(seed=0, settings=models.WARM_START_LONG, quiet=True)
-    args, _ = train.resolve(train.Args(dataset="embedded-long", model=str(path)))
+    args, _ = runs.resolve(train.Args(dataset="embedded-long", model=str(path)))
     policy, tokenizer = models.load_model(str(path), torch.device("cpu"), torch.float32)
-    train_set, test_set = train.load_data(args)
-    greedy = np.mean(train.generate_and_score(policy, tokenizer, test_set, args, greedy=True).scores["correct"])
+    train_set, test_set = runs.load_data(args)
+    greedy = np.mean(train.sample(policy, tokenizer, test_set, args, greedy=True).scores["correct"])
     assert 0.15 <= greedy <= 0.50, greedy
     torch.manual_seed(0)
     rows = [ex for ex in train_set[::20] for _ in range(8)]
-    correct = np.array(train.generate_and_score(policy, tokenizer, rows, args).scores["correct"]).reshape(-1, 8)
+    correct = np.array(train.sample(policy, tokenizer, rows, args).scores["correct"]).reshape(-1, 8)
     assert (correct.max(1) != correct.min(1)).mean() >= 0.3  # groups with mixed rewards: a learning signal

@@ -13,6 +13,7 @@ import losses
 import model as models
 import rollout
 import train
+from plumbing import run as runs
 
 from conftest import SMALL_ARGS, final_weights, metrics_without_timing  # noqa: E402
 
@@ -20,10 +21,10 @@ from conftest import SMALL_ARGS, final_weights, metrics_without_timing  # noqa: 
 
 def scored_batch(policy, tokenizer, n=6):
     """A fixed batch of prompt + sampled completion rows, and its completion length."""
-    args, _ = train.resolve(train.Args(num_prompts=2, num_generations=3, max_new_tokens=16))
+    args, _ = runs.resolve(train.Args(num_prompts=2, num_generations=3, max_new_tokens=16))
     torch.manual_seed(0)
-    examples = train.load_data(args)[0][:2]
-    ro = train.sample_batch(policy.eval(), tokenizer, examples, args).ro
+    examples = runs.load_data(args)[0][:2]
+    ro = train.sample_groups(policy.eval(), tokenizer, examples, args).ro
     return ro.input_ids[:n], ro.attention_mask[:n], ro.completion_ids.shape[1], ro.completion_mask[:n].float()
 
 

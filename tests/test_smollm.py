@@ -22,7 +22,7 @@ def test_smollm_gguf_loads_and_answers_in_the_chat_format():
     assert sum(p.numel() for p in policy.parameters()) > 100e6
     # dequantised on load, so trainable as it is (Trainer and optimizers refuse a model flagged as quantised)
     assert not policy.is_quantized and policy.hf_quantizer is None
-    prompt = models.format_prompt(tok, task.instruct_text((47, 13)))
+    prompt = rollout.format_prompt(tok, task.instruct_text((47, 13)))
     assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
     import rollout
 

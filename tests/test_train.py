@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from plumbing import errors
 from plumbing import lifecycle
 from plumbing import network
+import rollout
 import train
+from plumbing import run as runs
 
 from conftest import SMALL_ARGS  # noqa: E402
 
@@ -24,7 +26,7 @@ SMALL = {**SMALL_ARGS, "total_steps": 2}
 def run(tmp_path, model_dir, **kw):
     args = train.Args(**{**SMALL, "model": str(model_dir), "output_dir": str(tmp_path), **kw})
     summary = train.train(args)
-    name = train.resolve(args)[0].run_name
+    name = runs.resolve(args)[0].run_name
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
     return summary, metrics, tmp_path / name
 
@@ -82,14 +84,14 @@ def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path, tiny
     """--micro-batch-size 0 starts with a whole minibatch (8 rows here); a device that only fits 2 rows per
     forward/backward gets there by halving, without losing a step, and computes what --micro-batch-size 2 does."""
     _, fixed, _ = run(tmp_path / "fixed", tiny_policy_dir, algo="gspo", micro_batch_size=2, save_model=False)
-    real = train.logprobs_of
+    real = train.rollout.completion_logprobs
 
-    def small_device(policy, ro, rows, args, with_entropy=False):
-        if torch.is_grad_enabled() and len(rows) > 2:
+    def small_device(policy, input_ids, *args):
+        if torch.is_grad_enabled() and len(input_ids) > 2:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB")  # as on CPU
-        return real(policy, ro, rows, args, with_entropy)
+        return real(policy, input_ids, *args)
 
-    monkeypatch.setattr(train, "logprobs_of", small_device)
+    monkeypatch.setattr(train.rollout, "completion_logprobs", small_device)
     monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
     _, auto, _ = run(tmp_path / "auto", tiny_policy_dir, algo="gspo", save_model=False)
     out = capsys.readouterr().out
@@ -108,17 +110,19 @@ class FakePolicy:
         self.config, self.dtype = type("Config", (), {"vocab_size": vocab_size}), dtype
 
 
-@pytest.mark.parametrize("flags, policy, expected", [
-    ({}, FakePolicy(100, torch.float32), True),
-    ({}, FakePolicy(100, torch.bfloat16), False),  # a cached bf16 decode rounds differently from training's pass
-    ({}, FakePolicy(152_000, torch.float32), True),  # the sampler keeps one (B, V) row at a time: any vocabulary
-    ({"rollout_correction": "token_mask"}, FakePolicy(100, torch.float32), False),  # w = pi_old / mu needs both
-    ({"old_logprobs": "sampler"}, FakePolicy(152_000, torch.bfloat16), True),
-    ({"old_logprobs": "recompute"}, FakePolicy(100, torch.float32), False),
-    ({"num_minibatches": 1}, FakePolicy(100, torch.float32), False),  # on-policy: pi_old is never needed
+@pytest.mark.parametrize("flags, dtype, expected", [
+    ({}, torch.float32, "sampler"),
+    ({}, torch.bfloat16, "recompute"),  # a cached bf16 decode rounds differently from training's pass
+    ({"rollout_correction": "token_mask"}, torch.float32, "recompute"),  # w = pi_old / mu needs both
+    ({"old_logprobs": "sampler"}, torch.bfloat16, "sampler"),
+    ({"old_logprobs": "recompute"}, torch.float32, "recompute"),
+    ({"num_minibatches": 1}, torch.float32, "on-policy"),  # pi_old is never needed
+    ({"num_minibatches": 1, "num_epochs": 2}, torch.float32, "sampler"),  # the second pass sees a moved policy
 ])
-def test_where_pi_old_comes_from(flags, policy, expected):
-    assert train.old_from_sampler(policy, train.resolve(train.Args(**flags))[0]) is expected
+def test_where_pi_old_comes_from(flags, dtype, expected):
+    args = runs.resolve(train.Args(**flags))[0]
+    assert train.pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
+                               dtype) == expected
 
 
 def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset):
@@ -129,7 +133,7 @@ def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_mode
     assert (run_dir / "final" / "config.json").is_file()
     import model as models
     tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
-    assert models.format_prompt(tok, "2 mod 3 =").startswith("<|user|>2 mod 3 =")
+    assert rollout.format_prompt(tok, "2 mod 3 =").startswith("<|user|>2 mod 3 =")
 
 
 def read_wandb_history(path: Path, timeout: float = 60.0) -> list[dict]:
@@ -202,8 +206,8 @@ def test_eval_samples_logs_pass_at_k_and_leaves_training_unchanged(tmp_path, tin
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset):
     import model as models
     tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
-    assert r"\boxed{}" in models.format_prompt(tok, "1+1?", "boxed")
-    assert "<answer>" not in models.format_prompt(tok, "1+1?", "last-number")
+    assert r"\boxed{}" in rollout.format_prompt(tok, "1+1?", "boxed")
+    assert "<answer>" not in rollout.format_prompt(tok, "1+1?", "last-number")
     summary, metrics, _ = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
                               total_steps=1, max_new_tokens=8, answer_format="last-number")
     assert 0.0 <= summary["accuracy_after"] <= 1.0 and "rewards/format" in metrics[-1]
@@ -304,9 +308,9 @@ def test_fp32_run_takes_pi_old_from_the_sampler_and_logs_no_mismatch(tmp_path, t
 def test_eval_size_takes_a_subset_spread_over_the_held_out_set():
     """--eval-size N: every len/N-th problem, the same in every run; the embedded held-out set is sorted by divisor,
     so a spread subset covers every divisor its first N would miss."""
-    test = train.load_data(train.resolve(train.Args())[0])[1]
-    sub = train.spread(test, 16)
-    assert len(sub) == 16 and sub == train.spread(test, 16) and sub[0] is test[0]
+    test = runs.load_data(runs.resolve(train.Args())[0])[1]
+    sub = runs.spread(test, 16)
+    assert len(sub) == 16 and sub == runs.spread(test, 16) and sub[0] is test[0]
     divisor = lambda ex: ex.prompt.split(" mod ")[1]  # noqa: E731
     assert len({divisor(ex) for ex in sub}) > len({divisor(ex) for ex in test[:16]})
-    assert train.spread(test, 0) is test and train.spread(test, 10_000) is test
+    assert runs.spread(test, 0) is test and runs.spread(test, 10_000) is test

@@ -104,8 +104,9 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 8) -> float:
 def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
     """(train.Args, LossConfig) of our side; TRL's config is derived from the same pair (trl_config)."""
     import train
+    from plumbing import run as runs
 
-    return train.resolve(train.Args(
+    return runs.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
         max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled", old_logprobs=old_logprobs,
         dataset="embedded-instruct" if instruct(cfg) else "embedded", dtype=dtype, device=device))
@@ -114,14 +115,15 @@ def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
 def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: str = "auto") -> dict:
     import model as models
     import train
+    from plumbing import run as runs
 
     args, loss_cfg = our_args(cfg, dtype, device, old_logprobs)
-    train.seed_everything(0)
-    policy, tokenizer = train.load_policy(args)
-    train_set, _ = train.load_data(args)
+    runs.seed_everything(0)
+    policy, tokenizer = runs.load_policy(args)
+    train_set, _ = runs.load_data(args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    stream, gen = train.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
+    stream, gen = runs.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
     params = sum(p.numel() for p in policy.parameters())
     rows = []
     for step in range(steps + 1):
@@ -177,6 +179,7 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
 
     import model as models
     import rewards
+    import rollout
     import task
 
     ours, _ = our_args(cfg, dtype, device)
@@ -184,7 +187,7 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
     policy, tokenizer = models.load_model(model_name(cfg), torch.device(device), torch.float32)
     train_set, _ = task.default_splits(instruct=instruct(cfg))
     # the very prompt strings our trainer sends (chat template applied where the model has one)
-    data = Dataset.from_list([{"prompt": models.format_prompt(tokenizer, e.prompt, ours.answer_format),
+    data = Dataset.from_list([{"prompt": rollout.format_prompt(tokenizer, e.prompt, ours.answer_format),
                                "answer": e.answer} for e in train_set])
 
     def reward(completions, answer, **_):  # our side's reward: the same weights (GSPO has no overlong term)

@@ -195,6 +195,7 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
 
     from tools import bench
     import model
+    import rollout
 
     gguf = bench.smollm_path()
     rng = random.Random(0)
@@ -205,7 +206,7 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
         problems.append({"prompt": text.format(a=a, b=b, c=c), "answer": str(answer(a, b, c))})
     lines = [json.dumps(p) for p in problems]
     tokenizer = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
-    prompt = max(len(tokenizer(model.format_prompt(tokenizer, p["prompt"], "last-number"))["input_ids"])
+    prompt = max(len(tokenizer(rollout.format_prompt(tokenizer, p["prompt"], "last-number"))["input_ids"])
                  for p in problems)
     header = (f"| SmolLM2-135M, fp32, 2 x 4 rows, 256 new tokens | β | peak RSS "
               f"({'glibc default' if glibc_default else 'mmap threshold 1 MiB'}) | estimate (fp32) | s / RL step | "

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from plumbing import ddp  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
+from plumbing import run as runs
 
 DTYPE = torch.float64
 CASES = {  # name: (micro-batch size, epochs, groups split by length?, LoRA rank)
@@ -70,15 +71,15 @@ def main(model_dir: str, out: str, dtype: str = "float64") -> None:
     results = {}
     for algo in ("grpo", "dr_grpo", "dapo", "gspo"):
         for case, (micro, epochs, by_length, lora) in CASES.items():
-            args, cfg = train.resolve(train.Args(model=model_dir, algo=algo, num_prompts=8, num_generations=4,
+            args, cfg = runs.resolve(train.Args(model=model_dir, algo=algo, num_prompts=8, num_generations=4,
                                                  num_minibatches=1, num_epochs=epochs, micro_batch_size=micro,
                                                  max_grad_norm=1e9, old_logprobs="recompute"))
-            policy, tokenizer = train.load_policy(args)
+            policy, tokenizer = runs.load_policy(args)
             if lora:
                 policy = train.models.add_lora(policy, lora, 2.0 * lora, train.models.LORA_TARGETS, seed=0)
             torch.manual_seed(1)  # the same rollout on every rank
-            examples = train.load_data(args)[0][:args.num_prompts]
-            batch = train.sample_batch(policy.eval(), tokenizer, examples, args)
+            examples = runs.load_data(args)[0][:args.num_prompts]
+            batch = train.sample_groups(policy.eval(), tokenizer, examples, args)
             g = args.num_generations
             group_len = batch.ro.lengths.view(-1, g).float().mean(1)  # (P,)
             order = group_len.argsort().tolist() if by_length else list(range(args.num_prompts))

@@ -162,12 +162,13 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     from plumbing import errors
     from plumbing import flags
     import train
+    from plumbing import run as runs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    args = train.resolve(train.Args(wandb_mode="disabled"))[0]
+    args = runs.resolve(train.Args(wandb_mode="disabled"))[0]
     with pytest.raises(errors.ConfigError, match=r"starts 2 processes on this machine but it has 1 GPU.*"
                                                   r"--nproc-per-node 1 \(or --device cpu\)"):
         flags.validate(args, world_size=2)

@@ -2,6 +2,9 @@
 EOS ids, the generation config, and the smaller things a hub model brings (tests/gpu_check.py runs the rest on a GPU).
 """
 
+import copy
+import dataclasses
+import functools
 import json
 
 import pytest
@@ -9,8 +12,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+import rollout
 import train
 from conftest import SMALL_ARGS, metrics_without_timing
+from plumbing import logs, run as runs
 
 
 class PretendAccelerator(TorchFunctionMode):
@@ -59,11 +64,11 @@ def test_one_process_step_keeps_host_bookkeeping_on_the_host(tmp_path, tiny_poli
     GRPO with a reference model and pi_old both kept and recomputed must not mix devices."""
     args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
                          "num_prompts": 16, "max_new_tokens": 48})
-    args, cfg = train.resolve(args)
+    args, cfg = runs.resolve(args)
     for old in ("sampler", "recompute"):
-        args = train.replace(args, old_logprobs=old)
-        policy, tokenizer = train.load_policy(args)
-        ref = train.copy.deepcopy(policy).eval().requires_grad_(False)
+        args = dataclasses.replace(args, old_logprobs=old)
+        policy, tokenizer = runs.load_policy(args)
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
         mode = PretendAccelerator()
         real_generate = policy.generate
 
@@ -85,7 +90,7 @@ def test_one_process_step_keeps_host_bookkeeping_on_the_host(tmp_path, tiny_poli
         monkeypatch.setattr(policy, "generate", generate_on_device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        stream = train.PromptStream(train.load_data(args)[0], 0)
+        stream = runs.PromptStream(runs.load_data(args)[0], 0)
         with mode:
             batch, metrics = train.rl_step(policy, ref, tokenizer, optimizer, scheduler, stream, cfg, args,
                                            torch.Generator().manual_seed(0))
@@ -98,13 +103,13 @@ def moved_after_one_step(tmp_path, model_dir, dtype: str) -> dict:
     """Which weight elements one RL step (2 optimizer steps, GSPO, lr 1e-6: a full fine-tune's usual rate) changes."""
     args = train.Args(**{**SMALL_ARGS, "model": str(model_dir), "output_dir": str(tmp_path), "dtype": dtype,
                          "lr": 1e-6})
-    args, cfg = train.resolve(args)
-    train.seed_everything(0)
-    policy, tokenizer = train.load_policy(args)
+    args, cfg = runs.resolve(args)
+    runs.seed_everything(0)
+    policy, tokenizer = runs.load_policy(args)
     start = {k: v.detach().clone() for k, v in policy.named_parameters()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    stream = train.PromptStream(train.load_data(args)[0], 0)
+    stream = runs.PromptStream(runs.load_data(args)[0], 0)
     train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, cfg, args, torch.Generator().manual_seed(0))
     return {k: v.dtype for k, v in policy.named_parameters()}, \
         {k: v.detach() != start[k] for k, v in policy.named_parameters()}
@@ -125,14 +130,14 @@ def test_bf16_full_fine_tune_keeps_fp32_weights_and_moves_every_weight_fp32_move
 
 def test_bf16_forwards_compute_in_bf16_under_autocast(tiny_policy_dir):
     args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "dtype": "bfloat16"})
-    policy, _ = train.load_policy(train.resolve(args)[0])
+    policy, _ = runs.load_policy(runs.resolve(args)[0])
     ids = torch.tensor([[5, 6, 7]])
     assert policy(input_ids=ids).logits.dtype == torch.bfloat16  # the lm_head ran in bf16
-    copy = train.copy.deepcopy(policy)  # the reference model of beta > 0: its forward must be its own
+    twin = copy.deepcopy(policy)  # the reference model of beta > 0: its forward must be its own
     with torch.no_grad():
-        next(copy.parameters()).add_(1.0)
-    assert not torch.equal(copy(input_ids=ids).logits, policy(input_ids=ids).logits)
-    assert train.precision(policy) == "bfloat16 autocast, float32 weights"
+        next(twin.parameters()).add_(1.0)
+    assert not torch.equal(twin(input_ids=ids).logits, policy(input_ids=ids).logits)
+    assert logs.precision(policy) == "bfloat16 autocast, float32 weights"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,7 +220,7 @@ def test_a_base_model_through_its_template_stops_at_the_end_of_turn(family, tmp_
     policy = model_that_always_says(tok, turn_end)
     policy.generation_config = gen
     policy, tok = models.prepare(policy, tok, torch.device("cpu"))
-    prompt = models.format_prompt(tok, "2 + 3 =", "tags")
+    prompt = rollout.format_prompt(tok, "2 + 3 =", "tags")
     for greedy in (True, False):
         ro = rollout.generate(policy, tok, [prompt] * 2, max_new_tokens=16, greedy=greedy)
         assert ro.completion_ids[:, 0].tolist() == [turn_end] * 2
@@ -287,19 +292,19 @@ def test_a_model_folder_with_processors_trains_bit_identically_to_a_plain_copy(t
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"  # as the CPU says it
 
 
-def device_that_fits(monkeypatch, function: str, rows: int) -> None:
-    """train.<function> raises the CPU's out-of-memory error when called on more than `rows` rows (its third
-    argument), as on a device that holds no more; the remembered micro-batch sizes start afresh."""
+def device_that_fits(monkeypatch, module, function: str, rows: int, arg: int) -> None:
+    """module.<function> raises the CPU's out-of-memory error when called on more than `rows` rows (its argument
+    number `arg`), as on a device that holds no more; the remembered micro-batch sizes start afresh."""
     from plumbing import lifecycle
 
-    real = getattr(train, function)
+    real = getattr(module, function)
 
     def small_device(*args, **kwargs):
-        if len(args[2]) > rows:
+        if len(args[arg]) > rows:
             raise RuntimeError(OOM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, function, small_device)
+    monkeypatch.setattr(module, function, small_device)
     monkeypatch.setattr(lifecycle, "AUTO_MICRO_BATCH", {})
 
 
@@ -310,7 +315,7 @@ def test_pi_old_and_reference_passes_fit_a_device_that_holds_two_rows(tmp_path, 
     fixed = tmp_path / "fixed"
     train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(fixed),
                               "micro_batch_size": 2}))
-    device_that_fits(monkeypatch, "logprobs_of", 2)  # logprobs_of(policy, ro, rows, ...)
+    device_that_fits(monkeypatch, train.rollout, "completion_logprobs", 2, 1)  # (model, input_ids, ...)
     auto = tmp_path / "auto"
     train.train(train.Args(**{**SMALL_ARGS, **common, "model": str(tiny_policy_dir), "output_dir": str(auto)}))
     assert "out of memory at 8 rows" in capsys.readouterr().out
@@ -323,12 +328,12 @@ def test_pi_old_and_reference_passes_fit_a_device_that_holds_two_rows(tmp_path, 
 
 
 def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys):
-    args, _ = train.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "eval_size": 16}))
-    policy, tok = train.load_policy(args)
-    test_set = train.load_data(args)[1][:16]
-    whole, _ = train.evaluate(policy, tok, test_set, args)
-    device_that_fits(monkeypatch, "generate_and_score", 4)  # generate_and_score(policy, tokenizer, rows, ...)
-    halved, _ = train.evaluate(policy, tok, test_set, args)
+    args, _ = runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "eval_size": 16}))
+    policy, tok = runs.load_policy(args)
+    test_set = runs.load_data(args)[1][:16]
+    whole, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 0, 0)
+    device_that_fits(monkeypatch, train, "sample", 4, 2)  # sample(policy, tokenizer, rows, ...)
+    halved, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 0, 0)
     assert halved == whole and "out of memory at 8 rows" in capsys.readouterr().out
 
 
@@ -336,6 +341,7 @@ PEAK_SCRIPT = r"""
 import resource, sys, torch
 sys.path.insert(0, ".")
 import train, rollout
+from plumbing import logs, run as runs
 from transformers import LlamaConfig, LlamaForCausalLM
 rows, micro, vocab, T = (int(a) for a in sys.argv[1:5])
 torch.manual_seed(0)
@@ -345,7 +351,7 @@ ids = torch.randint(vocab, (rows, 8 + T))
 ro = rollout.Rollout(ids[:, :8], torch.ones(rows, 8, dtype=torch.long), ids[:, 8:], torch.ones(rows, T, dtype=torch.long),
                      torch.zeros(rows, dtype=torch.bool))
 args = train.Args(num_minibatches=2, micro_batch_size=micro, old_logprobs="recompute", lr=1e-3)
-args, cfg = train.resolve(args)
+args, cfg = runs.resolve(args)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 batch = train.Batch(ro, [None] * rows, {}, [""] * rows)
@@ -395,10 +401,10 @@ def test_thinking_is_off_unless_asked_and_dated_templates_get_a_fixed_date():
 
     tok = models.build_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
-    assert "<think>\n\n</think>" in models.format_prompt(tok, "2 + 3 =")  # Qwen3's way of not thinking
-    assert "<think>" not in models.format_prompt(tok, "2 + 3 =", enable_thinking=True)
+    assert "<think>\n\n</think>" in rollout.format_prompt(tok, "2 + 3 =")  # Qwen3's way of not thinking
+    assert "<think>" not in rollout.format_prompt(tok, "2 + 3 =", enable_thinking=True)
     tok.chat_template = DATED_TEMPLATE
-    assert f"Today Date: {models.TEMPLATE_DATE}" in models.format_prompt(tok, "2 + 3 =")
+    assert f"Today Date: {rollout.TEMPLATE_DATE}" in rollout.format_prompt(tok, "2 + 3 =")
     assert train.Args().enable_thinking is False
 
 
@@ -406,14 +412,14 @@ def test_a_template_less_model_whose_tokenizer_adds_bos_gets_it():
     import model as models
 
     tok = models.build_tokenizer()
-    assert models.format_prompt(tok, "7 mod 3 =") == "7 mod 3 ="  # the embedded model: no BOS, no change
+    assert rollout.format_prompt(tok, "7 mod 3 =") == "7 mod 3 ="  # the embedded model: no BOS, no change
     from tokenizers import processors
 
     tok.add_special_tokens({"bos_token": "<s>"})
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
         ("<s>", tok.bos_token_id)])
     assert tok("1")["input_ids"][0] == tok.bos_token_id  # like Llama-2 or Mistral's tokenizers
-    prompt = models.format_prompt(tok, "7 mod 3 =")
+    prompt = rollout.format_prompt(tok, "7 mod 3 =")
     assert prompt == "<s>7 mod 3 =" and tok(prompt, add_special_tokens=False)["input_ids"][0] == tok.bos_token_id
 
 

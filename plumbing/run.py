@@ -1,0 +1,362 @@
+"""A run's set-up and end: the flags resolved from the --algo preset and the dataset's defaults, the run's name,
+the data and the policy loaded and checked before anything is written, a checkpoint restored, the held-out
+evaluation, and the final save. Nothing here changes what is learned."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import losses
+import model as models
+import rewards
+import task
+from losses import LossConfig
+from plumbing import checkpoint, ddp, flags, lifecycle, logs
+from plumbing.ddp import SINGLE, World
+from plumbing.logs import EMBEDDED_TASKS
+
+
+# Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
+DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKENS, total_steps=60),
+                    "*": dict(max_new_tokens=64, total_steps=100),
+                    # a pretrained model on a file or hub dataset: room for a chain of thought (TRL 1.16's GRPOConfig: 512)
+                    "a file or hub dataset with a pretrained --model": dict(max_new_tokens=256, total_steps=100)}
+
+
+def dataset_defaults(dataset: str, model: str) -> dict:
+    """The defaults that depend on --dataset (the embedded model, whose context is 128 tokens, keeps 64 anywhere)."""
+    if dataset in DATASET_DEFAULTS:
+        return DATASET_DEFAULTS[dataset]
+    pretrained = not dataset.startswith("embedded") and model != "embedded"
+    return DATASET_DEFAULTS["a file or hub dataset with a pretrained --model" if pretrained else "*"]
+
+
+def resolve(args) -> tuple[object, LossConfig]:
+    """Fill every unset objective field from the --algo preset."""
+    preset = losses.PRESETS[args.algo]
+    filled = {f: getattr(preset, f) if getattr(args, f) is None else getattr(args, f) for f in losses.OBJECTIVE_FIELDS}
+    is_dapo = args.algo == "dapo"
+    args = replace(
+        args, **filled,
+        dynamic_sampling=is_dapo if args.dynamic_sampling is None else args.dynamic_sampling,
+        overlong_weight=(1.0 if is_dapo else 0.0) if args.overlong_weight is None else args.overlong_weight,
+        lora_alpha=2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha,
+        run_name=args.run_name or default_run_name(args),
+        **{k: v if getattr(args, k) is None else getattr(args, k)
+           for k, v in dataset_defaults(args.dataset, args.model).items()},
+    )
+    return args, LossConfig(**filled)
+
+
+def default_run_name(args) -> str:
+    """<algo>[-<model>][-lora<r>][-<dataset>][-np<N>]-s<seed>: runs of the documented commands (another model, LoRA,
+    dataset, torchrun) get folders of their own. The embedded model (or one of its warm starts, `warm-start-*`), the default
+    dataset and one process add nothing (gspo-s0); a model adds its folder or file name (Qwen/Qwen2.5-0.5B-Instruct
+    -> Qwen2.5-0.5B-Instruct, ./m.Q4_1.gguf -> m.Q4_1)."""
+    parts = [args.algo]
+    model = Path(args.model.rstrip("/")).name.removesuffix(".gguf")
+    if args.model != "embedded" and not model.startswith("warm-start-"):
+        parts.append(model)
+    if args.lora_rank:
+        parts.append(f"lora{args.lora_rank}")
+    if args.dataset != "embedded":
+        name = Path(args.dataset.rstrip("/")).name
+        name = name.split(".")[0] if Path(args.dataset).suffix else name  # data/gsm8k.jsonl -> gsm8k
+        parts.append(name + (f"-{args.dataset_config}" if args.dataset_config else ""))
+    if ddp.world_size() > 1:
+        parts.append(f"np{ddp.world_size()}")
+    return "-".join([re.sub(r"[^A-Za-z0-9_.-]+", "-", p) for p in parts] + [f"s{args.seed}"])
+
+
+def help_defaults() -> dict[str, str]:
+    """--help's default for each field whose None means 'from --algo' or 'from --dataset' (from the code)."""
+    def per_algo(field):
+        return "(default from --algo: " + ", ".join(f"{a} {getattr(c, field)}" for a, c in losses.PRESETS.items()) + ")"
+    def per_dataset(field):
+        return "(default: " + "; ".join(f"{v[field]}" + ("" if d == "*" else f" for {d}" if " " in d else
+                                                        f" for --dataset {d}")
+                                        for d, v in sorted(DATASET_DEFAULTS.items(), key=lambda kv: kv[0] != "*")) + ")"
+    return {**{f: per_algo(f) for f in losses.OBJECTIVE_FIELDS}, **{f: per_dataset(f) for f in DATASET_DEFAULTS["*"]},
+            "dynamic_sampling": "(default from --algo: on for dapo, off for the others)",
+            "overlong_weight": "(default from --algo: 1 for dapo, 0 for the others)",
+            "lora_alpha": "(default: 2 x --lora-rank)",
+            "run_name": "(default: <algo>[-<model>][-lora<r>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
+            "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
+            "resume": "(default: start a new run)", "wandb_group": "(default: none)",
+            "rollout_correction_min": "(default: no lower bound)",
+            "eval_dataset": "(default: a split of --dataset)"}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_policy(args, path: Path | None = None):
+    """The starting policy of --model, or the model saved at `path` (a checkpoint), on the chosen device."""
+    device = models.pick_device(args.device)
+    dtype = models.pick_dtype(device, args.dtype)  # what forwards compute in; a full fine-tune keeps fp32 weights
+    name = str(path) if path else args.model
+    if name == "embedded":
+        settings = models.warm_start_settings(args.dataset)
+        if not models.warm_start_path(args.seed, settings).is_dir():
+            print(f"building the embedded model's warm start for seed {args.seed} (supervised, a few minutes, once; "
+                  f"cached in {models.cache_root()})", flush=True)
+        name = str(models.warm_start(seed=args.seed, settings=settings))
+    try:
+        policy, tokenizer = models.load_model(name, device, dtype if args.lora_rank else torch.float32)
+        return models.compute_in(policy, dtype), tokenizer  # LoRA: a bf16 base (its fp32 adapter is what trains)
+    except models.ModelError as e:
+        if path is None:
+            raise
+        raise checkpoint.CheckpointError(f"{path} cannot be loaded ({e}); {checkpoint.earlier_hint(path.parent)}")
+
+
+def spread(examples: list, n: int) -> list:
+    """n problems drawn evenly across the list (every len/n-th), the same in every run: a representative subset of
+    a held-out set that is sorted (the embedded tasks' are, by divisor), where its first n would not be. 0: all."""
+    if not n or n >= len(examples):
+        return examples
+    return [examples[i * len(examples) // n] for i in range(n)]
+
+
+def load_data(args) -> tuple[list[task.Example], list[task.Example]]:
+    """(training, held-out) problems. With --eval-dataset, its rows (its test split, if it has one) are the held-out
+    set, and a file or hub --dataset keeps every row for training (an embedded task keeps its training split)."""
+    if args.dataset == "embedded-add":
+        train, test = task.addition_splits()
+    elif args.dataset in EMBEDDED_TASKS:
+        train, test = task.default_splits(instruct=args.dataset == "embedded-instruct",
+                                          long=args.dataset == "embedded-long")
+    else:
+        train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,
+                                        split=not args.eval_dataset)
+    if args.eval_dataset:
+        rows, held = task.load_dataset(args.eval_dataset, args.prompt_field, args.answer_field, split=False)
+        test = held or rows
+    return train, test
+
+
+class PromptStream:
+    """Training prompts in a seeded random order, reshuffled each pass; `cursor` says how far it has read."""
+
+    def __init__(self, examples: list[task.Example], seed: int):
+        self.examples, self.seed, self.cursor = examples, seed, 0
+
+    def take(self, n: int) -> list[task.Example]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.cursor, len(self.examples))
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            out.append(self.examples[order[i]])
+            self.cursor += 1
+        return out
+
+
+@dataclass
+class Run:
+    """What the loop works on, made by start_run: the policy and its optimizer, the data, the logger, and where a
+    resumed run picks up (first_step, the minutes already spent, the held-out metrics before step 1)."""
+    args: object  # train.Args
+    run_dir: Path
+    world: World
+    policy: object
+    ref_policy: object
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    stream: PromptStream
+    gen: torch.Generator
+    logger: logs.Logger
+    train_set: list
+    test_set: list
+    before: dict
+    first_step: int = 1
+    minutes_before: float = 0.0
+    sample: object = None  # train.sample, bound to this run's policy and flags: sample(rows, greedy) -> Batch
+    started: float = 0.0  # wall clock when the loop began
+
+    def evaluate(self, step: int) -> tuple[dict, list]:
+        """The held-out metrics at `step` and the answers to show (see evaluate)."""
+        return evaluate(self.sample, self.policy, self.test_set, self.args.eval_samples, self.args.seed, step,
+                        world=self.world)
+
+    def checkpoint_or_stop(self, step: int, stop: lifecycle.GracefulStop, resume_hint: str) -> dict | None:
+        """After `step`: a checkpoint every --save-every steps; after a signal to any rank, a checkpoint and the
+        run's end (all ranks stop after the same step)."""
+        stopping = self.world.any(stop.signal is not None)
+        if (self.args.save_every and step % self.args.save_every == 0) or stopping:
+            path = self.save(step)
+        if not stopping:
+            return None
+        print(f"stopped by {stop.signal or 'a signal to another rank'} after step {step}; saved {path}; {resume_hint}")
+        self.logger.finish()
+        return {"stopped_at": step, "checkpoint": str(path)}
+
+    def minutes(self) -> float:
+        return self.minutes_before + (time.time() - self.started) / 60
+
+    def save(self, step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
+        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
+        rngs = self.world.gather(rng or checkpoint.rng_state(self.gen))
+        if self.world.main:
+            checkpoint.save(self.run_dir / "checkpoints", step, self.policy, self.tokenizer, {
+                "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
+                "wandb_id": self.logger.run.id, "before": self.before, "minutes": self.minutes(),
+            }, self.args.keep_checkpoints)
+        self.world.barrier()
+        return checkpoint.path_of(self.run_dir / "checkpoints", step)
+
+
+def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, state: dict | None, world: World,
+              sample, pi_old_source) -> Run:
+    """Load and check the data and the policy, write config.json, restore a checkpoint, evaluate before step 1.
+    A failure or Ctrl-C in here removes the run folder this call created, nothing else. `sample` is train.sample,
+    `pi_old_source(policy)` where the update's pi_old comes from (train.pi_old_source)."""
+    with lifecycle.Startup(), lifecycle.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
+        # Everything that can fail on bad input is loaded before anything is written.
+        with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
+            train_set, test_set = load_data(args)
+            held_out = len(test_set)
+            test_set = spread(test_set, args.eval_size)
+            flags.check_references(train_set + test_set, args.answer_format)
+            if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
+                flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
+                    args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
+            policy, tokenizer = load_policy(args, resume_from / "model" if state and not args.lora_rank else None)
+            if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
+                policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                         adapter=resume_from / "model" if state else None, seed=args.seed)
+        if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
+            flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
+                                       train_set + test_set, args.max_new_tokens, args.answer_format)
+        ref_policy = None
+        if cfg.beta > 0 and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
+            ref_policy = models.AdapterOff(policy)
+        elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint)
+            ref = load_policy(args)[0] if state else copy.deepcopy(policy)
+            ref_policy = ref.eval().requires_grad_(False)
+        world.barrier()  # every rank has checked the run folder before rank 0 writes into it
+        if world.main:
+            folder.create()
+            (run_dir / "config.json").write_text(json.dumps(asdict(args), indent=2))
+
+        if args.gradient_checkpointing:  # transformers applies it in train mode only: never during generate
+            models.enable_checkpointing(policy)
+        seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
+        world.wrap(policy)  # under torchrun: DistributedDataParallel (it checks every rank holds the same weights)
+        trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
+        optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+        optimizer_steps = args.total_steps * args.num_minibatches * args.num_epochs
+        from transformers import get_scheduler  # here, not at the top: it imports peft (~5 s), which a refusal skips
+        scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                  num_training_steps=optimizer_steps)
+        stream = PromptStream(train_set, args.seed)  # the same order on every rank: each takes its share of a draw
+        gen = torch.Generator().manual_seed(world.seed(args.seed))
+        first_step, minutes_before = 1, 0.0
+        if state:
+            first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank)
+            if world.main:  # the one writer of the run folder
+                checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
+            print(f"resumed from {resume_from} at step {state['step']}")
+        logger = folder.logger = logs.Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
+        print({"on-policy": "fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no "
+                             "forward pass and nothing clips; use --num-minibatches > 1 to see the ratios move",
+               "sampler": "pi_old: the sampler's own log-probs (no extra forward pass)",
+               "recompute": "pi_old: recomputed by one forward pass over each rollout before its first update"}[
+            pi_old_source(policy)])
+        print(f"{args.algo}: {cfg}")
+        print("\n".join(logs.startup_lines(args, run_dir, train_set, test_set, policy, world, held_out)))
+        policy.train()
+        if state:
+            before = state["before"]
+        else:
+            before, shown = evaluate(functools.partial(sample, policy, tokenizer, args=args), policy, test_set,
+                                     args.eval_samples, args.seed, step=0, world=world)
+            logger.log(before, step=0)
+        print(logs.eval_lines("before", before, None if state else shown, len(test_set)))
+    return Run(args, run_dir, world, policy, ref_policy, tokenizer, optimizer, scheduler, stream, gen, logger,
+               train_set, test_set, before, first_step, minutes_before,
+               sample=functools.partial(sample, policy, tokenizer, args=args))
+
+
+def finish_run(run: Run, metrics: dict) -> dict:
+    """Print the before -> after line, save the final policy, write summary.json (last: it marks the run finished)."""
+    args, before, minutes = run.args, run.before, run.minutes()
+    summary = {"algo": args.algo, "seed": args.seed, "steps": args.total_steps,
+               "accuracy_before": before["eval/accuracy"], "accuracy_after": metrics["eval/accuracy"],
+               "rl_minutes": minutes}
+    print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
+          f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
+    if run.world.main:
+        if args.save_model:  # the policy, or its LoRA adapter (and with --merge-lora the merged model)
+            models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora)
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.logger.finish()
+    run.world.barrier()
+    return summary
+
+
+def evaluate(sample, policy, examples: list[task.Example], eval_samples: int, seed: int, step: int = 0,
+             chunk: int = 256, world: World = SINGLE) -> tuple[dict, list]:
+    """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
+    problem at the training temperature. sample(rows, greedy) is train.sample. Under torchrun each rank scores every N-th problem; the sums are shared.
+    Returns the metrics and the greedy answers to show (examples_to_show)."""
+    policy.eval()
+    mine = examples[world.rank::world.size]
+    correct, reward, texts = [], [], []
+    for i in range(0, len(mine), chunk):
+        rows = mine[i:i + chunk]
+        parts = lifecycle.shrink_on_oom(  # PLUMBING: in smaller pieces after an out-of-memory error
+            lambda n: [sample(rows[j:j + n], greedy=True)
+                       for j in range(0, len(rows), n)], len(rows), 0, lambda: None, world.size, key="evaluate")
+        for scored in parts:
+            correct += scored.scores["correct"]
+            reward += scored.scores["reward"]
+            texts += scored.texts
+    sums = [float(np.sum(correct)), float(np.sum(reward))]
+    if eval_samples:
+        n = eval_samples
+        rows = [ex for ex in mine for _ in range(n)]
+        # its own random stream, seeded by the step: sampling here must not move the training run's stream
+        device = policy.device  # fork this rank's device only (by default fork_rng touches every GPU of the machine)
+        devices = [] if device.type == "cpu" else [device.index or 0]
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed(world.seed(seed * 100_003 + step))
+            hits = [c for i in range(0, len(rows), chunk)
+                    for c in sample(rows[i:i + chunk], greedy=False).scores["correct"]]
+        per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
+        ks = sorted({1, n})
+        sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
+    sums = world.sum(sums)
+    out = {"eval/accuracy": sums[0] / len(examples), "eval/reward": sums[1] / len(examples)}
+    if eval_samples:
+        out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
+    policy.train()
+    return out, examples_to_show(mine, texts, correct, step)
+
+
+def examples_to_show(examples: list, texts: list, correct: list, step: int) -> list[tuple]:
+    """For the screen, a different problem at each evaluation (the step picks where to look): the first one
+    answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
+    correct) each."""
+    n = len(texts)
+    picked = {}
+    for k in range(n):
+        i = (step * 37 + k) % n
+        picked.setdefault(bool(correct[i]), i)
+        if len(picked) == 2:
+            break
+    return [(examples[i].prompt, texts[i], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
