@@ -221,8 +221,9 @@ def pi_old_source(num_minibatches: int, num_epochs: int, old_logprobs: str, roll
 
 
 def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Tensor, cfg: LossConfig, args: Args,
-           gen: torch.Generator, world: World = SINGLE) -> dict:
-    """num_epochs passes over the rollout in num_minibatches shuffled minibatches, one optimizer step each."""
+           gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None) -> dict:
+    """num_epochs passes over the rollout in num_minibatches shuffled minibatches, one optimizer step each.
+    pi_old: pi_old_source's answer for this run (None: ask it here)."""
     # PLUMBING: one optimizer step over micro-batches and ranks, out-of-memory halving, the non-finite skip
     steps = Accumulator(policy, optimizer, scheduler, world, args.micro_batch_size, args.max_grad_norm,
                         args.max_new_tokens)
@@ -231,8 +232,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     adv, mask = adv.to(device), ro.completion_mask.float()  # (B,), (B, T)
     b = mask.shape[0]
     mb_size = b // args.num_minibatches
-    source = pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
-                           models.compute_dtype(policy))
+    source = pi_old or pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
+                                     models.compute_dtype(policy))
     mu = None if source == "sampler" else ro.sampler_logp  # the sampler's log-probs, where pi_old is not them: (B, T)
     correction = None if args.rollout_correction == "off" else (
         args.rollout_correction, args.rollout_correction_min, args.rollout_correction_max)
@@ -282,7 +283,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
 
 
 def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptStream, cfg: LossConfig, args: Args,
-            gen: torch.Generator, world: World = SINGLE) -> tuple[Batch, dict]:
+            gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None) -> tuple[Batch, dict]:
     t0 = time.time()
     policy.eval()
     # ALGO: G completions per prompt, sampled with generate and scored by the rule-based verifier
@@ -297,7 +298,7 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     reward = torch.tensor(batch.scores["reward"])  # (B,)
     adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,) whole groups: local
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
-    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world)
+    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old)
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
     metrics.update(logs.rollout_metrics(batch, adv, args.num_generations, drawn_correct, drawn,
@@ -319,9 +320,11 @@ def train(args: Args) -> dict:
     world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
     if args.threads:
         torch.set_num_threads(args.threads)
-    # data, policy, optimizer, a checkpoint restored, the first evaluation
-    run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, lambda policy: pi_old_source(
-        args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction, models.compute_dtype(policy)))
+    source = lambda policy: pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs,  # noqa: E731
+                                          args.rollout_correction, models.compute_dtype(policy))
+    # data, policy, optimizer, a checkpoint restored, the first evaluation (it prints where pi_old comes from)
+    run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, source)
+    pi_old = source(run.policy)
 
     stop, metrics, run.started = lifecycle.GracefulStop(), run.before, time.time()
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
@@ -332,7 +335,7 @@ def train(args: Args) -> dict:
             # ALGO: one RL step
             with failures(step):
                 _, metrics = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
-                                     run.stream, cfg, args, run.gen, world)
+                                     run.stream, cfg, args, run.gen, world, pi_old)
             # PLUMBING: evaluation, logging, checkpoints, signals
             metrics["perf/elapsed_min"] = run.minutes()
             evaluated = step % args.eval_every == 0 or step == args.total_steps

@@ -4,6 +4,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = {"train", "rollout", "losses", "rewards", "model", "task"}
 FOLDERS = ("plumbing", "tools")
@@ -83,3 +85,16 @@ def test_the_core_does_not_import_the_research_tools():
     graph = project_imports()
     for name in CORE:
         assert {m for m in graph[name] if m.startswith("tools.")} <= {"tools.diagnostics"}, name
+
+
+@pytest.mark.slow
+def test_one_rl_step_reads_in_under_450_lines_of_the_four_core_files():
+    """tools/step_lines.py runs one default step and counts the core lines it executes (the README's reading order
+    quotes it): at most 450 lines in train, rollout, rewards and losses, and at most 4 data-parallel calls."""
+    from tools import step_lines
+
+    counted = step_lines.measure(step_lines.one_step("gspo"))
+    assert set(counted) <= {"train", "rollout", "rewards", "losses"}, set(counted)
+    assert sum(c["lines"] for c in counted.values()) <= 450
+    assert len([w for c in counted.values() for w in c["world_calls"]]) <= 4
+    assert "policy_loss" in counted["losses"]["functions"] and "generate" in counted["rollout"]["functions"]

@@ -1,0 +1,135 @@
+"""How many lines a reader follows through one RL step: `python -m tools.step_lines` (about a minute on a CPU).
+
+Measured by running it: one step of `python train.py --algo gspo` (the default task, embedded model, seed 0) under
+a profiler hook that records every function of this repository that executes inside `train.rl_step`. Each such
+function counts with all its lines (signature, docstring, comments; a nested function is part of the one around
+it; a method counts alone, not its class), once. A core function counts when core code calls it: the diagnostics
+that plumbing/logs.py computes from losses.py for the logs are not on the reader's path. Class bodies that only declare fields (Args, Batch, Rollout's fields)
+run no code and are not counted. The core files (train, rollout, rewards, losses, model, task) are what a reader
+follows; plumbing/ and tools/ are listed apart (they change nothing learned), as are torch and transformers (not
+counted, as torch's internals are not part of cleanrl's ~155). A dapo step is measured the same way, for its
+dynamic sampling. Also counted: the data-parallel calls (`world.<name>(...)`) written in the core functions run.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ("train", "rollout", "rewards", "losses", "model", "task")
+CORE_FILES = {str(ROOT / f"{m}.py") for m in CORE}
+
+
+@functools.cache
+def top_level_spans(path: Path) -> list[tuple[int, int, ast.AST]]:
+    """(first line, last line, node) of every top-level function and every method of a top-level class."""
+    spans = []
+    for node in ast.parse(path.read_text()).body:
+        nodes = [n for n in node.body if isinstance(n, ast.FunctionDef)] if isinstance(node, ast.ClassDef) else [node]
+        for n in nodes:
+            if isinstance(n, ast.FunctionDef):
+                first = n.decorator_list[0].lineno if n.decorator_list else n.lineno
+                spans.append((first, n.end_lineno, n))
+    return spans
+
+
+def executed_functions(step) -> set[tuple[Path, int]]:
+    """(file, first line of its code object) of every core function that runs inside step() on the reader's path:
+    called by step's own code, i.e. the nearest caller of this repository (torch's decorators in between are not)
+    is on the path too, or a function nested in one on the path (update's loss, which plumbing/accumulate.py calls
+    back). A core function that only plumbing calls (losses.ratio_diagnostics, for the logs) is not."""
+    seen, on_path = set(), set()  # ids of the live frames on the path
+
+    def in_repo(frame):
+        path = Path(frame.f_code.co_filename)
+        return path.is_relative_to(ROOT) and "tests" not in path.parts
+
+    def hook(frame, event, arg):
+        if event == "return":
+            on_path.discard(id(frame))
+        if event != "call" or not in_repo(frame):
+            return
+        caller = frame.f_back
+        while caller is not None and not in_repo(caller):
+            caller = caller.f_back
+        closure = "<locals>" in frame.f_code.co_qualname and (Path(frame.f_code.co_filename), frame.f_code.co_qualname
+                                                               .split(".<locals>")[0]) in top_level
+        if frame.f_code.co_name == "rl_step" or (caller is not None and id(caller) in on_path) or closure:
+            if frame.f_code.co_filename in CORE_FILES:
+                on_path.add(id(frame))
+                seen.add((Path(frame.f_code.co_filename), frame.f_code.co_firstlineno))
+                if "<locals>" not in frame.f_code.co_qualname:
+                    top_level.add((Path(frame.f_code.co_filename), frame.f_code.co_qualname))
+
+    top_level = set()  # (file, qualified name) of the top-level functions on the path
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def measure(step) -> dict:
+    """Lines per file of the functions that ran (a nested function's lines belong to the one around it)."""
+    runs_in = defaultdict(set)  # file -> the top-level functions/methods that ran (by their first line)
+    for path, line in executed_functions(step):
+        for first, last, node in top_level_spans(path):
+            if first <= line <= last:
+                runs_in[path].add((first, last, node))
+    out = {}
+    for path, spans in runs_in.items():
+        name = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        world = [sub.func.attr for _, _, node in spans for sub in ast.walk(node) if isinstance(sub, ast.Call)
+                 and isinstance(sub.func, ast.Attribute) and isinstance(sub.func.value, ast.Name)
+                 and sub.func.value.id == "world"]
+        out[name] = {"lines": sum(last - first + 1 for first, last, _ in spans), "functions": sorted(
+            n.name for _, _, n in spans), "world_calls": world}
+    return out
+
+
+def one_step(algo: str):
+    """A function that runs one RL step of `python train.py --algo ALGO` from its warm start."""
+    import torch
+    from transformers import get_scheduler
+
+    import train
+    from plumbing import run as runs
+
+    args, cfg = runs.resolve(train.Args(algo=algo, wandb_mode="disabled"))
+    runs.seed_everything(args.seed)
+    policy, tokenizer = runs.load_policy(args)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.total_steps * args.num_minibatches)
+    stream, gen = runs.PromptStream(runs.load_data(args)[0], args.seed), torch.Generator().manual_seed(args.seed)
+    pi_old = train.pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
+                                 torch.float32)  # as train.train decides it once, before the first step
+    return lambda: train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, cfg, args, gen, pi_old=pi_old)
+
+
+def report(title: str, counted: dict) -> None:
+    core = counted
+    world = [w for c in core.values() for w in c["world_calls"]]
+    print(f"{title}: {sum(c['lines'] for c in core.values())} lines in {len(core)} files "
+          f"({', '.join(m + ' ' + str(c['lines']) for m, c in sorted(core.items()))}); "
+          f"{sum(len(c['functions']) for c in core.values())} functions; data-parallel calls {len(world)}"
+          f"{' (' + ', '.join(world) + ')' if world else ''}")
+    for m, c in sorted(core.items()):
+        print(f"  {m}: {', '.join(c['functions'])}")
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    for algo in ("gspo", "dapo"):
+        report(f"one RL step of --algo {algo}", measure(one_step(algo)))
+
+
+if __name__ == "__main__":
+    main()
