@@ -111,7 +111,9 @@ def test_documented_answer_lengths_are_the_tasks():
     for long, old in ((False, "10-55"), (True, "20-300")):
         lens = [task.completion_tokens(task.solve(p)) for p in task.split(False, long) + task.split(True, long)]
         quoted = f"{min(lens)}-{max(lens)} tokens"
-        assert quoted in (ROOT / "README.md").read_text(), quoted
+        assert quoted in (ROOT / "docs/short-task.md").read_text(), quoted  # the tasks' table
+        held_out = len(task.default_splits(instruct=False, long=long)[1])
+        assert f"tokens, {'2-36' if long else '1-4'} subtractions | {held_out} |" in (ROOT / "docs/short-task.md").read_text()
         for f in ["README.md", "train.py", "tools/study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
             assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
 

@@ -850,26 +850,17 @@ def grid_runs(runs: list[dict]) -> list[dict]:
 
 
 def readme_section(runs: list[dict], rows: list[dict]) -> str:
+    """The README's study section: what was run, the verdicts' count, the headline figure, the link to the table."""
     runs = grid_runs(runs)
-    minutes = sum(PER_RUN["minutes"](r) for r in runs)
     lines = [README_BEGIN, "",
-             f"`python -m tools.study` ran {len(runs)} runs ({minutes:.0f} run-minutes on this 2-core CPU, two at a time, smollm2's one at a time, some beside other jobs) "
-             f"on `--dataset embedded-long` (correct answers of 20-295 tokens), {PROMPTS} prompts x 8 completions, {STEPS} RL "
-             f"steps, up to {len(SEEDS)} seeds per arm (n in the table), in two regimes: base (4 minibatches per rollout) and stale16 (16: stale "
-             f"ratios alone); claim 5 also in smollm2 (SmolLM2-135M-Instruct on `{SMOLLM2_FLAGS['dataset']}`, {SMOLLM2_STEPS} steps, "
-             f"{CELLS['smollm2'][0]['num_minibatches']} minibatches), where clip-higher binds as it does not with the embedded model, "
-             f"and claim 4 also over {LONG_STEPS} steps (base120). Each contrast changes one thing and is paired by seed (a seed is one warm start). A "
-             "verdict is the paired mean difference with its 95% t interval against the effect the paper predicts, "
-             "written down before the runs: reproduced, contradicted, inconclusive (with the smallest effect these "
-             "seeds detect) or not exercised (the manipulation check failed). "
-             f"Result: {counts(rows)}.", ""]
-    lines += table(rows, mde=False)
-    lines += ["", "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
-              "The full report, with the smallest detectable effects, the secondary numbers and one figure per claim: "
-              "[docs/study/summary.md](docs/study/summary.md). A dense 0.67M-parameter model (and a 135M one), tens "
-              "of steps and one task each are far from the papers' models and thousands of steps: these verdicts are "
-              "about these regimes.", "",
-              README_END]
+             f"{len(runs)} runs on `--dataset embedded-long` (correct answers of 20-295 tokens) with the embedded "
+             f"model, and for claim 5 also SmolLM2-135M-Instruct; {len(rows)} verdicts: {counts(rows)}. The verdict "
+             "table with each prediction, estimate, interval and manipulation check, the smallest detectable effects "
+             "and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
+             "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
+             "A 0.67M-parameter model (and a 135M one), tens of steps and one task each are far from the papers' "
+             "models and thousands of steps: these verdicts are about these regimes.", "",
+             README_END]
     return "\n".join(lines)
 
 

@@ -53,6 +53,12 @@ class SweepArgs:
     """held-out accuracy for the 'steps to threshold' column"""
     report_only: bool = False
     """skip running, only rebuild the report from <report_dir>/data/"""
+    readme: str = ""
+    """also write the results table into this README, between its results markers (the committed sweep's)"""
+
+
+README_BEGIN = "<!-- results:begin (written by python -m tools.sweep --report-only --report-dir docs/sweep --readme README.md) -->"
+README_END = "<!-- results:end -->"
 
 
 class SweepError(ValueError):
@@ -368,6 +374,36 @@ def length_bucket_points(rs: list[dict], key: str) -> list[tuple[float, float]]:
     return pts
 
 
+def readme_table(runs: list[dict], threshold: float) -> str:
+    """The README's results table: one row per algorithm, held-out accuracy before and after (mean and sd over the
+    seeds, and each seed), steps to the threshold, minutes per run; rows in the objectives table's order."""
+    order = list(ALGO_COLORS)
+    rows = sorted(summary_rows(runs, threshold), key=lambda r: (order.index(r["algo"]), r["setting"]))
+    groups = groups_of(runs)
+    seeds = sorted({r["summary"]["seed"] for r in runs})
+    steps = sorted({r["summary"]["steps"] for r in runs})
+    lines = [README_BEGIN, "",
+             f"`python train.py --algo A --seed S`, seeds {', '.join(map(str, seeds))}, {'/'.join(map(str, steps))} steps "
+             "each (a seed is one warm start, shared by the seven): greedy accuracy on the default task's held-out "
+             "problems ([command, machine and spread](docs/short-task.md#the-seven-objectives-side-by-side)).", "",
+             f"| `--algo` | before | after: mean ± sd (n) | after, per seed | steps to {threshold:g} | minutes per run |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        per_seed = sorted(groups[(r["algo"], r["setting"])], key=lambda x: x["summary"]["seed"])
+        lines.append(f"| `{r['algo']}` | {r['accuracy_before']:.3f} | {r['accuracy_after_mean']:.3f} ± "
+                     f"{r['accuracy_after_std']:.3f} ({r['runs']}) | "
+                     + " / ".join(f"{x['summary']['accuracy_after']:.3f}" for x in per_seed)
+                     + f" | {r[f'steps_to_{threshold:g}']:.0f} | {r['minutes_mean']:.1f} |")
+    lines += ["", README_END]
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + table + text[end:])
+
+
 def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> dict[str, int]:
     """Write summary.md, summary.csv and four plots; returns the number of data points in each plot.
 
@@ -481,6 +517,9 @@ def main() -> None:
         sys.exit(2)
     write_report(runs, out, args.threshold, f"Sweep {args.name}: {len(runs)} runs")
     print(f"report: {out / 'summary.md'}")
+    if args.readme:
+        write_readme(Path(args.readme), readme_table(runs, args.threshold))
+        print(f"results table: {args.readme}")
 
 
 if __name__ == "__main__":
