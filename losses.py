@@ -395,7 +395,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
                          SAPO and GMPO what plays the clip's part: see clip_fraction_of)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
-    The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is diagnostics.py.
+    The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is tools/diagnostics.py.
     """
     mask = mask.to(logp.dtype)
     valid_tok, valid_seq = mask > 0, mask.sum(-1) > 0

@@ -73,8 +73,10 @@ def test_train_reads_a_saved_folder_with_custom_fields(tmp_path, tiny_policy_dir
     args = train.Args(model=str(tiny_policy_dir), dataset=str(tmp_path / "data"), prompt_field="q", answer_field="a",
                       num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1, eval_size=4,
                       wandb_mode="disabled", output_dir=str(tmp_path / "runs"), save_model=False)
+    tr, te = runs.load_data(runs.resolve(args)[0])  # the custom columns, every row in one of the two splits
+    assert sorted((e.prompt, e.answer) for e in tr + te) == sorted((r["q"], r["a"]) for r in rows)
     summary = train.train(args)
-    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    assert summary["steps"] == 1 and round(summary["accuracy_after"] * 4, 9) % 1 == 0  # over --eval-size 4 problems
 
 
 def test_one_field_rule_for_every_format(tmp_path):
@@ -118,4 +120,4 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
     out = capsys.readouterr().out
     assert "5 training" not in out and "40 training and 5 held-out problems" in out
     assert out.count("warning: only 5 held-out problems") == 1 and "--eval-dataset" in out
-    assert "(5 problems)" in out and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert "(5 problems)" in out and round(summary["accuracy_after"] * 5, 9) % 1 == 0  # scored on those 5

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from plumbing import errors
 from plumbing import lifecycle
 from plumbing import network
+import rewards
 import rollout
 import train
 from plumbing import run as runs
@@ -125,11 +126,22 @@ def test_where_pi_old_comes_from(flags, dtype, expected):
                                dtype) == expected
 
 
-def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset):
+def prompts_seen(monkeypatch) -> list[str]:
+    """Every prompt string that reaches generate, from here on."""
+    seen, real = [], rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda model, tok, prompts, *a, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, *a, **kw))
+    return seen
+
+
+def test_real_model_path_with_chat_template_and_jsonl(tmp_path, random_chat_model_dir, jsonl_dataset, monkeypatch):
     # a randomly initialised model saved with save_pretrained, pad == eos, a chat template, a JSONL dataset
+    seen = prompts_seen(monkeypatch)
     summary, metrics, run_dir = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
                                     total_steps=1, max_new_tokens=8)
-    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    problems = {json.loads(line)["prompt"] for line in jsonl_dataset.open()}
+    assert seen and all(p.startswith("<|user|>") and p.split("\n")[0].removeprefix("<|user|>") in problems
+                        for p in seen)  # the template reached every prompt, training's and evaluation's
     assert (run_dir / "final" / "config.json").is_file()
     import model as models
     tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
@@ -203,14 +215,16 @@ def test_eval_samples_logs_pass_at_k_and_leaves_training_unchanged(tmp_path, tin
     assert keep(plain) == keep(sampled)
 
 
-def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset):
+def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,
+                                                                   monkeypatch):
     import model as models
     tok = models.load_model(str(random_chat_model_dir), torch.device("cpu"), torch.float32)[1]
     assert r"\boxed{}" in rollout.format_prompt(tok, "1+1?", "boxed")
     assert "<answer>" not in rollout.format_prompt(tok, "1+1?", "last-number")
+    seen = prompts_seen(monkeypatch)
     summary, metrics, _ = run(tmp_path, random_chat_model_dir, algo="gspo", dataset=str(jsonl_dataset),
                               total_steps=1, max_new_tokens=8, answer_format="last-number")
-    assert 0.0 <= summary["accuracy_after"] <= 1.0 and "rewards/format" in metrics[-1]
+    assert seen and all(rewards.INSTRUCTIONS["last-number"] in p for p in seen) and "rewards/format" in metrics[-1]
 
 
 def test_boxed_without_math_verify_is_one_line_error(tmp_path, monkeypatch):

@@ -257,6 +257,7 @@ DATASETS = [
     ("empty.csv", "prompt,answer\n", "has 0 row(s); it needs at least 2"),
     ("empty.parquet", "EMPTY_PARQUET", "has 0 row(s); it needs at least 2"),
     ("not.parquet", "these are not parquet bytes\n", "is not a readable parquet file"),
+    ("long.jsonl", '{"prompt": "%s", "answer": "1"}\n' % ("9" * 200) + GOOD_ROW, "exceeds the model's context of 128"),
 ]
 
 
@@ -385,6 +386,14 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
     assert "its results are kept. --run-name NEW_NAME starts a fresh run beside it" in line
     assert f"--resume {last} --run-name NEW_NAME --total-steps N continues it exactly" in line
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
+
+
+def test_overwrite_replaces_a_finished_run(own_finished):
+    """The refusal's third way out, asked for explicitly: --overwrite starts the run again in its folder."""
+    argv, run = own_finished
+    (run / "note.txt").write_text("from the old run")
+    train.main(argv + ["--overwrite"])
+    assert not (run / "note.txt").exists() and (run / "summary.json").is_file()
 
 
 @pytest.mark.slow

@@ -34,35 +34,8 @@ def cli(argv, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Bad input: a catalogue, one case each
+# Bad input beyond test_bad_input.py's catalogue: models, failures during a run
 # ---------------------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("argv", [["--algo", "ppo"], ["--wandb-mode", "sometimes"]])
-def test_tyro_rejects_unknown_choices_with_exit_2(argv, capsys):
-    code, err = cli(argv, capsys)
-    assert code == 2 and "Traceback" not in err
-
-
-def write(path: Path, text: str) -> str:
-    path.write_text(text)
-    return str(path)
-
-
-def test_dataset_errors(tmp_path, capsys, tiny_policy_dir):
-    base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out")] + SMALL
-    cases = [
-        (write(tmp_path / "empty.jsonl", "\n\n"), "has 0 row(s)"),
-        (write(tmp_path / "bad.jsonl", '{"prompt": "1 mod 3 =", "answer": "1"}\n{"prompt": oops}\n'), "bad.jsonl:2: not valid JSON"),
-        (write(tmp_path / "fields.jsonl", '{"prompt": "1 mod 3 ="}\n'), "has no answer column (answer or solution)"),
-        (write(tmp_path / "list.jsonl", '[1, 2]\n'), "list.jsonl:1: a JSON array"),
-        (write(tmp_path / "long.jsonl", '{"prompt": "%s", "answer": "1"}\n{"prompt": "1 mod 3 =", "answer": "1"}\n'
-               % ("9" * 200)), "exceeds the model's context of 128"),
-    ]
-    for path, message in cases:
-        code, err = cli(base + ["--dataset", path], capsys)
-        assert code == 2 and message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "out" / "gspo-s0").exists()
-
 
 def test_model_errors(tmp_path, capsys, tiny_policy_dir):
     import model as models
@@ -80,16 +53,6 @@ def test_model_errors(tmp_path, capsys, tiny_policy_dir):
                           (no_eos, "has no EOS token")]:
         code, err = cli(["--model", str(path), "--output-dir", str(tmp_path / "out")] + SMALL, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
-
-
-def test_existing_run_is_not_overwritten(tmp_path, capsys, tiny_policy_dir):
-    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1"] + SMALL
-    train.main(argv)
-    before = (tmp_path / "gspo-s0" / "metrics.jsonl").read_text()
-    code, err = cli(argv, capsys)
-    assert code == 2 and "is a finished run" in err
-    assert (tmp_path / "gspo-s0" / "metrics.jsonl").read_text() == before
-    train.main(argv + ["--overwrite"])  # explicitly asked: allowed
 
 
 def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, random_chat_model_dir, jsonl_dataset):

@@ -32,9 +32,3 @@ def test_trl_config_matches_our_side(tmp_path, dtype):
     assert (config.learning_rate, config.weight_decay, config.max_grad_norm) == \
         (args.lr, args.weight_decay, args.max_grad_norm)
     assert config.use_cpu
-
-
-def test_trl_defaults_would_differ(tmp_path):
-    """Why the two explicit settings exist: left alone, TRL 1.16 turns on bf16 autocast and checkpointing."""
-    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert config.bf16 and config.gradient_checkpointing
