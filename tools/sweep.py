@@ -1,9 +1,9 @@
 """Ablation sweeps: a grid of train.py runs, then a report that puts the algorithms side by side.
 
-    python -m tools.sweep                                    # 4 algorithms x 3 seeds, defaults, 2 runs at a time
+    python -m tools.sweep                                    # 7 algorithms x 3 seeds, defaults, 2 runs at a time
     python -m tools.sweep --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
     python -m tools.sweep --report-only --name default       # rebuild the report from the sweep's packed data
-    python -m tools.sweep --report-only --report-dir docs/sweep  # the committed 4 x 3 sweep, from docs/sweep/data/
+    python -m tools.sweep --report-only --report-dir docs/sweep  # the committed 7 x 3 sweep, from docs/sweep/data/
     python -m tools.sweep --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
 
 Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-ALGOS = ("gspo", "grpo", "dr_grpo", "dapo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo")  # losses.PRESETS, in its order
 
 
 @dataclass
@@ -377,14 +377,14 @@ def length_bucket_points(rs: list[dict], key: str) -> list[tuple[float, float]]:
 def readme_table(runs: list[dict], threshold: float) -> str:
     """The README's results table: one row per algorithm, held-out accuracy before and after (mean and sd over the
     seeds, and each seed), steps to the threshold, minutes per run; rows in the objectives table's order."""
-    order = list(ALGO_COLORS)
+    order = list(ALGOS)
     rows = sorted(summary_rows(runs, threshold), key=lambda r: (order.index(r["algo"]), r["setting"]))
     groups = groups_of(runs)
     seeds = sorted({r["summary"]["seed"] for r in runs})
     steps = sorted({r["summary"]["steps"] for r in runs})
     lines = [README_BEGIN, "",
              f"`python train.py --algo A --seed S`, seeds {', '.join(map(str, seeds))}, {'/'.join(map(str, steps))} steps "
-             "each (a seed is one warm start, shared by the seven): greedy accuracy on the default task's held-out "
+             "each (a seed is one warm start, the same for every objective): greedy accuracy on the default task's held-out "
              "problems ([command, machine and spread](docs/short-task.md#the-seven-objectives-side-by-side)).", "",
              f"| `--algo` | before | after: mean ± sd (n) | after, per seed | steps to {threshold:g} | minutes per run |",
              "|---|---|---|---|---|---|"]
