@@ -114,6 +114,6 @@ def test_documented_answer_lengths_are_the_tasks():
         assert quoted in (ROOT / "docs/short-task.md").read_text(), quoted  # the tasks' table
         held_out = len(task.default_splits(instruct=False, long=long)[1])
         assert f"tokens, {'2-36' if long else '1-4'} subtractions | {held_out} |" in (ROOT / "docs/short-task.md").read_text()
-        for f in ["README.md", "train.py", "tools/study.py", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
+        for f in ["README.md", "train.py", "tools/study/__init__.py", "docs/study/protocol.md", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
             assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
 

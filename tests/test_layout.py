@@ -15,7 +15,9 @@ def project_modules() -> dict[str, Path]:
     """Dotted module name -> file: the top level's modules and the folders' (plumbing.ddp, tools.sweep, ...)."""
     found = {p.stem: p for p in ROOT.glob("*.py")}
     for folder in FOLDERS:
-        found.update({f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"})
+        for p in (ROOT / folder).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p  # tools.study, tools.study.stats
     return found
 
 
@@ -29,7 +31,8 @@ def project_imports() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)  # from plumbing import ddp
+                found |= subs or {node.module}  # from losses import StepNorm
         graph[name] = (found & set(modules)) - {name}
     return graph
 

@@ -32,15 +32,17 @@ def test_study_expands_to_the_documented_grid():
     treated, control = by_name["smollm2-grpo-b0-eh0.28-s3"], by_name["smollm2-grpo-b0-s3"]  # claim 5: ε_high alone
     assert {k for k in treated.keys() | control.keys() if treated.get(k) != control.get(k)} == {"epsilon_high", "run_name"}
     assert treated["model"] == "smollm" and treated["num_minibatches"] == "16"
-    # the main verdicts' arms first, every seed; then claim 3 at β 0.04, the successors, the late seeds verdicts use,
-    # Dr.GRPO, claim 5 in smollm2, DAPO's late seeds
-    tiers = [study.tier(m["cell"], m["arm"], int(m["seed"])) for m in (study.NAME.match(n) for n in names)]
-    assert tiers == sorted(tiers) and [tiers.count(t) for t in range(8)] == [27, 6, 22, 12, 5, 10, 8, 10]
-    successors = [n for n, t in zip(names, tiers) if t == 2]
-    seeds = [int(n.rsplit("-s", 1)[1]) for n in successors]
-    assert seeds == sorted(seeds)  # seed by seed: a cut-short session has whole seeds
-    assert {n for n in successors if n.startswith("base-")} == {f"base-cispo-s{i}" for i in range(5)} | {
-        f"base-{a}-s0" for a in ("sapo", "gmpo")}
+    # RUN_ORDER is a plain list: every arm of every cell at every seed exactly once; the main verdicts' arms first,
+    # every seed; within a group seed by seed (a cut-short session has whole seeds)
+    listed = [(cell, arm, seed) for group in study.RUN_ORDER for cell, arms, seeds in group for arm in arms
+              for seed in seeds]
+    assert sorted(listed) == sorted((c, a, s) for c, (_, arms) in study.CELLS.items() for a in arms for s in study.SEEDS)
+    first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
+    assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
+                                                            "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
+                                                            "base-grpo-b0-sumnorm"}
+    seeds = [int(n.rsplit("-s", 1)[1]) for n in names[:first]]
+    assert seeds == sorted(seeds)
     for cell, (_, arms) in study.CELLS.items():  # documented where `python -m tools.study --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON

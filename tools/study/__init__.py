@@ -1,0 +1,38 @@
+"""The study: each paper's claim about the importance ratio, tested on long answers with a verdict rule that has power.
+
+    python -m tools.study                      # every run below (resumable: finished runs are skipped), then the report
+    python -m tools.study --report-only        # rebuild docs/study/ and the README's study section from docs/study/data/
+
+Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
+completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
+decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
+from the same policy, so contrasts are paired by seed. Four cells (regimes); base120 is base run three times as long
+(claim 4's drift needs a horizon), smollm2 has its own model, task and horizon (SMOLLM2_FLAGS; a seed there is the
+same pretrained start, its sampling and prompt order):
+
+    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
+    stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5, 6b, 7, 8
+    base120   base for 120 RL steps, held-out accuracy every 60              claim 4 at the longer horizon
+    smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
+
+and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
+preset's β 0.04 would otherwise ride along with the ratio level):
+
+    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo
+    stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
+    base120:  grpo-b0, grpo-b0-sumnorm
+    smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
+
+(the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
+
+The protocol (probes, the verdict rule, the run order, what is reported): docs/study/protocol.md.
+"""
+
+from tools.study.claims import CLAIMS, MANIPULATION, SECTIONS, Claim, judge, write_figures
+from tools.study.data import (MISLOGGED, NAME, PER_RUN, STOPS, arm_runs, by_seed, clip_differs, collapsed, drift,
+                              entropy_last10, final_accuracy, length_exponent, length_spread, load, pack, peak_drop,
+                              run_mean)
+from tools.study.design import (CELLS, COMMON, EVAL_EVERY, LONG_STEPS, PROMPTS, RUN_ORDER, SEEDS, SMOLLM2_FLAGS,
+                                SMOLLM2_STEPS, STEPS, grid, with_models)
+from tools.study.report import README_BEGIN, README_END, readme_section, table, write_report
+from tools.study.stats import VERDICT_RULE, Estimate, estimate, fmt_est, level, paired, verdict

@@ -1,0 +1,45 @@
+"""`python -m tools.study`: run the study's grid (resumable), pack the finished runs, write the report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools import study, sweep
+from tools.study import COMMON, CELLS, SEEDS, grid, load, pack, with_models, write_report
+
+
+@dataclass
+class StudyArgs:
+    seeds: tuple[int, ...] = SEEDS
+    """which seeds to run"""
+    parallel: int = 2
+    """runs at a time; each gets cores/parallel threads"""
+    output_dir: str = "sweeps"
+    """runs go to <output_dir>/study/runs/<cell>-<arm>-s<seed>/; finished ones are packed into data_dir"""
+    data_dir: str = "docs/study/data"
+    report_dir: str = "docs/study"
+    report_only: bool = False
+    """skip running, only rebuild the report (and the README's study section) from data_dir"""
+
+
+def main() -> None:
+    import sys
+
+    import tyro
+
+    args = tyro.cli(StudyArgs, description=study.__doc__)
+    runs_dir, data_dir = Path(args.output_dir) / "study" / "runs", Path(args.data_dir)
+    if not args.report_only:
+        sweep.run_grid(with_models(grid(tuple(CELLS), args.seeds)), "study", COMMON, runs_dir, args.parallel)
+        print(f"packed {len(pack(runs_dir, data_dir))} new runs into {data_dir}")
+    runs = load(data_dir)
+    if not runs:
+        print(f"error: no runs in {data_dir}; run the study first (without --report-only)", file=sys.stderr)
+        sys.exit(2)
+    write_report(runs, Path(args.report_dir), Path(__file__).resolve().parents[2] / "README.md")
+    print(f"report: {Path(args.report_dir) / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The claims, pre-registered, each in one place: its declaration (quantity, contrast, predicted effect,
+manipulation check), its analysis (the estimate, the check, the text beside the verdict) and its figure. Adding or
+auditing a claim is one section here. `judge` runs every analysis in order; `write_figures` draws every figure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tools.study.data import (arm_runs, by_seed, clip_differs, collapsed, drift, entropy_last10, final_accuracy,
+                              length_exponent, length_spread, peak_drop, probe_regime, run_mean)
+from tools.study.design import CELLS, LONG_STEPS, SMOLLM2_STEPS
+from tools.study.figures import (ARM_LABELS, arms, headline, legend_below, save, pyplot, stability, style,
+                                 two_panels, windows)
+from tools.study.stats import estimate, fmt_est, level, paired, pct, t_quantile, verdict
+from tools.sweep import series
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    title: str
+    source: str
+    quantity: str  # what is measured per seed, with its unit
+    contrast: str  # which arms, paired by seed
+    predicted: float  # the effect the paper predicts, oriented positive, in the quantity's unit
+    manipulation: str  # what must move for the claim to be exercised, and the threshold
+    margin: float | None = None  # "as well as" claims: the non-inferiority margin
+    unit: str = ""
+
+
+MANIPULATION = {"abs_log": 1e-3, "stale_x": 2.0, "length_x": 2.0, "clip_differs": 0.01}
+
+
+def mean_of(d: dict) -> float:
+    return float(np.mean(list(d.values()))) if d else math.nan
+
+
+def abs_log(runs: list[dict], cell: str, arm: str) -> dict[int, float]:
+    return by_seed(runs, cell, arm, lambda r: run_mean(r, "ratio/abs_log_token"))
+
+
+def stale_x(runs: list[dict], arm: str) -> float:
+    """How much staleness moves an arm's ratios: mean |log ρ_t| in stale16 over base."""
+    return mean_of(abs_log(runs, "stale16", arm)) / mean_of(abs_log(runs, "base", arm))
+
+
+def beside(runs: list[dict], new: str, old: str):
+    """The drop of each arm per seed, and the text beside the verdict: drops, collapses, final accuracy."""
+    drop = {a: by_seed(runs, "stale16", a, peak_drop) for a in (new, old)}
+    fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in (new, old)}
+    n = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16", a)), len(arm_runs(runs, "stale16", a)))
+         for a in (new, old)}
+    return (f"stale16 drop {ARM_LABELS[new]} {level(drop[new].values())}, {ARM_LABELS[old]} "
+            f"{level(drop[old].values())}; collapsed (20 points below peak) {n[new][0]}/{n[new][1]} vs "
+            f"{n[old][0]}/{n[old][1]}; final accuracy {new} - {old} {fmt_est(paired(fin[new], fin[old]))}"), drop
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. The ratio's spread grows with length (the seed note's thesis)
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_1 = [
+    Claim("1-base", "1. ratio spread grows with length (seed note; GSPO §3-4), base",
+          "GSPO §3-4; seed note 000",
+          "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a over length quartiles (per run; mean over the seed's arms); "
+          "GSPO's log s_i = Σ/|y| then goes as |y|^(a-1)",
+          "base: the arms run at every seed, averaged per seed", 0.5,
+          "mean |log ρ_t| over the update's tokens >= 1e-3 nats (ratios leave 1 at all)", unit="exponent"),
+    Claim("1-stale16", "1. ratio spread grows with length, stale16",
+          "GSPO §3-4; seed note 000",
+          "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a (as above)",
+          "stale16: the arms run at every seed, averaged per seed", 0.5,
+          "mean |log ρ_t| >= 1e-3 nats", unit="exponent"),
+]
+
+
+def analyse_1(runs: list[dict], add) -> None:
+    # per regime: the exponent, per seed averaged over the arms the regime ran at every one of its seeds (the same
+    # arms in each seed's mean; the runs of a seed share a warm start, so the seed is the unit)
+    for cell in ("base", "stale16"):
+        seeds = {r["seed"] for r in runs if r["cell"] == cell}
+        full = [a for a in CELLS[cell][1] if {r["seed"] for r in arm_runs(runs, cell, a)} == seeds]
+        mine = [r for r in runs if r["cell"] == cell and r["arm"] in full]
+        est = estimate([np.mean([length_exponent(r) for r in mine if r["seed"] == s]) for s in sorted(seeds)])
+        log_s = estimate([np.mean([length_exponent(r, "std_log_s") for r in mine if r["seed"] == s])
+                          for s in sorted(seeds)])
+        moved = float(np.mean([run_mean(r, "ratio/abs_log_token") for r in mine] or [math.nan]))
+        add(f"1-{cell}", est, moved, f"mean |log ρ_t| {moved:.2g} nats", moved >= MANIPULATION["abs_log"],
+            f"arms {', '.join(full)}; log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5)")
+
+
+def figure_1(runs: list[dict], out: Path) -> dict:
+    """Spread of Σ_t log ρ_t against length, per regime."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    points = 0
+    for ax, cell in zip(axes, ("base", "stale16")):
+        for rs in arms(runs, cell, CELLS[cell][1]):
+            xs, ys = [], []
+            for q in range(1, 5):
+                per_seed = [(run_mean(r, f"lenbucket/q{q}_len"),
+                             math.log(math.sqrt(np.mean(np.square(series(r, f"lenbucket/q{q}_std_logsum")[1])))))
+                            for r in rs]
+                xs.append(np.mean([p[0] for p in per_seed]))
+                ys.append([p[1] for p in per_seed])
+            ys = np.array(ys)  # (quartiles, seeds), log std
+            half = (t_quantile(0.975, ys.shape[1] - 1) * ys.std(1, ddof=1) / math.sqrt(ys.shape[1])
+                    if ys.shape[1] > 1 else 0 * ys[:, 0])
+            st = style(rs)
+            ax.plot(xs, np.exp(ys.mean(1)), marker="o", ms=3, **st)
+            ax.fill_between(xs, np.exp(ys.mean(1) - half), np.exp(ys.mean(1) + half), color=st["color"], alpha=0.12)
+            points += len(xs)
+        lines = ax.get_lines()
+        if lines:
+            x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
+            y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
+            ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
+        ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t",
+               xlabel="completion length |y| (tokens, quartile mean)")
+    axes[0].set_ylabel("std (nats), geometric mean over seeds")
+    legend_below(fig, axes)
+    return {"claim1_length": (save(fig, out / "claim1_length.png") and points, "spread of the unnormalised sequence "
+                              "log-ratio per length quartile, log-log; line: geometric mean over seeds, band: 95% t "
+                              "interval in log space; black: the i.i.d. slope 0.5")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. GSPO clips ~100x more units than GRPO, and learns as well
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_2 = [
+    Claim("2-clip", "2a. GSPO clips ~100x more units than GRPO (GSPO §5.2)", "GSPO §5.2, Fig. 4",
+          "log10 of the run-mean clip fraction (GSPO: sequences; GRPO: tokens)",
+          "base: gspo - grpo-b0, paired by seed", 2.0,
+          "GRPO clips some tokens at all: its clip fraction > 0 in every seed", unit="log10"),
+    Claim("2-learn", "2b. ...and learns as well (GSPO §5.2)", "GSPO §5.2, Fig. 4",
+          "final held-out accuracy (step 40)",
+          "base: gspo - grpo-b0, paired by seed", 0.0,
+          "GSPO's clip fraction is above GRPO's in every seed (the clipping really differs)", margin=0.10, unit="accuracy"),
+]
+
+
+def analyse_2(runs: list[dict], add) -> None:
+    # base, GSPO vs GRPO at β = 0
+    clip = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+    ratio = paired({s: math.log10(v) for s, v in clip["gspo"].items() if v > 0},
+                   {s: math.log10(v) for s, v in clip["grpo-b0"].items() if v > 0})
+    grpo_clips = bool(clip["grpo-b0"]) and all(v > 0 for v in clip["grpo-b0"].values())
+    add("2-clip", ratio, mean_of(clip["grpo-b0"]),
+        f"GRPO clip fraction {mean_of(clip['grpo-b0']):.2g} (> 0 in {sum(v > 0 for v in clip['grpo-b0'].values())}"
+        f" of {len(clip['grpo-b0'])} seeds)", grpo_clips,
+        f"GSPO {mean_of(clip['gspo']):.3g} of sequences vs GRPO {mean_of(clip['grpo-b0']):.2g} of tokens: "
+        f"{10 ** ratio.mean:.0f}x" if math.isfinite(ratio.mean) else "")
+    acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("gspo", "grpo-b0")}
+    more = [clip["gspo"][s] > clip["grpo-b0"][s] for s in set(clip["gspo"]) & set(clip["grpo-b0"])]
+    add("2-learn", paired(acc["gspo"], acc["grpo-b0"]), float(np.mean(more)) if more else math.nan,
+        f"GSPO clips more in {sum(more)} of {len(more)} seeds", bool(more) and all(more),
+        f"final accuracy GSPO {level(acc['gspo'].values())}, GRPO {level(acc['grpo-b0'].values())}")
+
+
+def figure_2(runs: list[dict], out: Path) -> dict:
+    return two_panels(runs, out, "claim2_clip", "base", ("gspo", "grpo-b0"), (
+        ("clip/frac", True, "clip fraction (GSPO: sequences; GRPO: tokens), log", "fraction clipped"),
+        ("eval/accuracy", False, "held-out greedy accuracy", "accuracy")),
+        "base cell, both at β = 0: mean over seeds with its 95% t interval (the clip fraction in log space)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Token-level ratios collapse under stale data, GSPO does not
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_3 = [
+    Claim("3-b0", "3. token-level ratios collapse under stale data, GSPO does not (β = 0)", "GSPO §1, §5.1",
+          "peak-to-final drop of held-out accuracy (max over evaluations minus the last)",
+          "stale16: grpo-b0 - gspo, paired by seed", 0.10,
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base, for both algorithms", unit="accuracy"),
+    Claim("3-b0.04", "3. the same at β = 0.04", "GSPO §1, §5.1",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo - gspo-b0.04 (both β 0.04), paired by seed", 0.10,
+          "staleness acts: mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
+]
+
+
+def analyse_3(runs: list[dict], add) -> None:
+    # stale16: the drop from peak, each arm's staleness checked against its own base runs
+    stale = {"grpo": stale_x(runs, "grpo-b0"), "gspo": stale_x(runs, "gspo")}  # both algorithms' β = 0 arms
+    stale_text = "mean |log ρ_t| stale16 / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in stale.items())
+    for key, grpo_arm, gspo_arm in (("3-b0", "grpo-b0", "gspo"), ("3-b0.04", "grpo", "gspo-b0.04")):
+        text, drop = beside(runs, gspo_arm, grpo_arm)
+        add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale.values()), stale_text,
+            all(x >= MANIPULATION["stale_x"] for x in stale.values()), text)
+
+
+def figure_3(runs: list[dict], out: Path) -> dict:
+    return stability(runs, out, "claim3_stability", ("grpo-b0", "gspo", "grpo", "gspo-b0.04"), "stale16 (16 "
+                     "minibatches per rollout), GRPO vs GSPO at β = 0 (solid) and β = 0.04 (dotted): accuracy as mean "
+                     "over seeds with its 95% t interval; right: each seed's drop from its peak, grey: the 20-point "
+                     "collapse line")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. GRPO's 1/|y| lets wrong answers grow longer (Dr.GRPO)
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_4 = [
+    Claim("4-agg", "4. GRPO's 1/|y| lets wrong answers grow longer (Dr.GRPO §3)", "Dr.GRPO §3.1, Fig. 5",
+          "drift (last 10 minus first 10 steps) of incorrect/correct length within mixed groups "
+          "(charts/len_incorrect_rel: free of which prompts are wrong)",
+          "base: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
+          "lengths differ within a batch: median over steps of longest/shortest completion >= 2 (so 1/|y| "
+          "weights tokens differently)", unit="ratio"),
+    # Registered before any base120 run (the 40-step row above had been read: inconclusive, +0.012 [-0.069, +0.094]):
+    # the same quantity, contrast, prediction and check, over 120 steps.
+    Claim("4-agg-120", "4. the same over 120 steps", "Dr.GRPO §3.1, Fig. 5",
+          "drift (last 10 minus first 10 of 120 steps) of incorrect/correct length within mixed groups",
+          "base120: grpo-b0 - grpo-b0-sumnorm (aggregation only), paired by seed", 0.05,
+          "lengths differ within a batch: median over steps of longest/shortest completion >= 2", unit="ratio"),
+]
+# Reported beside claim 4, with no prediction of its own: the std scaling, the other half of Dr.GRPO's change.
+STD_CONTRAST = ("base", "grpo-b0-sumnorm", "dr_grpo")
+
+
+def analyse_4(runs: list[dict], add) -> None:
+    # base and base120, aggregation only; the std scaling reported beside it (base: the cell with a dr_grpo arm)
+    for key, cell in (("4-agg", "base"), ("4-agg-120", "base120")):
+        rel = {a: by_seed(runs, cell, a, lambda r: drift(r, "charts/len_incorrect_rel"))
+               for a in ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo")}
+        tokens = {a: by_seed(runs, cell, a, lambda r: drift(r, "charts/len_incorrect"))
+                  for a in ("grpo-b0", "grpo-b0-sumnorm")}
+        spread = float(np.median([length_spread(r) for r in runs if r["cell"] == cell] or [math.nan]))
+        std_alone = (f"; std scaling alone (sum-norm - dr_grpo) {fmt_est(paired(rel['grpo-b0-sumnorm'], rel['dr_grpo']))}"
+                     if "dr_grpo" in CELLS[cell][1] else "")
+        add(key, paired(rel["grpo-b0"], rel["grpo-b0-sumnorm"]), spread,
+            f"longest/shortest completion per batch, median {spread:.1f}x", spread >= MANIPULATION["length_x"],
+            f"drift of incorrect/correct length: GRPO {level(rel['grpo-b0'].values())}, with Dr.GRPO's "
+            f"aggregation {level(rel['grpo-b0-sumnorm'].values())}; in tokens GRPO - sum-norm "
+            f"{fmt_est(paired(tokens['grpo-b0'], tokens['grpo-b0-sumnorm']), 2)}" + std_alone)
+
+
+LENGTH_PANELS = (("charts/len_incorrect_rel", False, "incorrect / correct length within mixed groups", "ratio"),
+                 ("charts/len_incorrect", False, "mean length of incorrect completions", "tokens"))
+
+
+def figure_4(runs: list[dict], out: Path) -> dict:
+    in_windows = lambda rs: windows(rs, [k for k, *_ in LENGTH_PANELS])  # noqa: E731
+    return {**two_panels(runs, out, "claim4_length_bias", "base", ("grpo-b0", "grpo-b0-sumnorm", "dr_grpo"),
+                         LENGTH_PANELS, "base cell at β = 0: GRPO, GRPO with Dr.GRPO's aggregation (the claim's "
+                         "contrast) and Dr.GRPO; each seed's mean over 10-step windows (the drift is the last window "
+                         "minus the first), then the mean over seeds with its 95% t interval, at each window's last "
+                         "step", runs_of=in_windows),
+            **two_panels(runs, out, "claim4_length_bias_120", "base120", ("grpo-b0", "grpo-b0-sumnorm"),
+                         LENGTH_PANELS, f"base120 (base for {LONG_STEPS} steps) at β = 0: GRPO and GRPO with "
+                         "Dr.GRPO's aggregation (the claim's contrast), in 10-step windows as above",
+                         runs_of=in_windows)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Clip-higher keeps entropy up (DAPO)
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_5 = [
+    Claim("5-entropy", "5. clip-higher keeps entropy up (DAPO §3.1)", "DAPO §3.1, Fig. 2",
+          "log of the entropy ratio, entropy over the last 10 steps (nats/token)",
+          "stale16: dapo (ε_high 0.28) vs dapo-eh0.2, paired by seed", math.log(1.1),
+          "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 (A > 0 and "
+          "1.2 < ρ <= 1.28), in the ε_high 0.2 arm's updates", unit="log ratio"),
+    # Registered before any smollm2 run (after the probes: every embedded-model regime left ε_high below 1%, and in
+    # the SmolLM2 probe the ε_high 0.2 arm's entropy fell 0.87 -> 0.11 nats/token in 4 steps, taking the band's
+    # tokens with it). So the check is read where it cannot follow the outcome: step 1, the one rollout both arms
+    # share (the same policy, the same batch), mean over both arms and seeds.
+    Claim("5-smollm2", "5. clip-higher keeps entropy up, smollm2 (where ε_high binds)", "DAPO §3.1, Fig. 2",
+          f"log of the entropy ratio, entropy over steps {SMOLLM2_STEPS // 2 + 1}-{SMOLLM2_STEPS} (nats/token)",
+          "smollm2: grpo-b0-eh0.28 vs grpo-b0 (GRPO β=0, ε_high 0.28 vs 0.2: nothing else), paired by seed",
+          math.log(1.1),
+          "ε_high binds: >= 1% of tokens have a clip outcome that differs between 0.2 and 0.28 at step 1 (the "
+          "rollout both arms share), mean over both arms", unit="log ratio"),
+]
+
+
+def analyse_5(runs: list[dict], add) -> None:
+    # stale16, DAPO with and without clip-higher
+    ent = {a: by_seed(runs, "stale16", a, entropy_last10) for a in ("dapo", "dapo-eh0.2")}
+    differs = mean_of(by_seed(runs, "stale16", "dapo-eh0.2", clip_differs))
+    fin = {a: by_seed(runs, "stale16", a, final_accuracy) for a in ("dapo", "dapo-eh0.2")}
+    add("5-entropy", paired({s: math.log(v) for s, v in ent["dapo"].items()},
+                            {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
+        f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
+        "".join(f"probe {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
+                f"{clip_differs(r):.2%} of tokens (step 1: {clip_differs(r, 1, 1):.2%}; entropy {run_mean(r, 'losses/entropy'):.2g} nats/token, held-out "
+                f"accuracy {r['rows'][0]['eval/accuracy']:.2f} -> {final_accuracy(r):.2f} on 8 problems); "
+                for r in runs if r["cell"] == "probe") +
+        f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
+        f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
+        f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
+
+    # smollm2: GRPO β=0 with and without clip-higher, where ε_high binds; the check at step 1, the shared rollout
+    later = SMOLLM2_STEPS // 2 + 1
+    ent = {a: by_seed(runs, "smollm2", a, lambda r: run_mean(r, "losses/entropy", first=later))
+           for a in ("grpo-b0-eh0.28", "grpo-b0")}
+    at_1 = [clip_differs(r, 1, 1) for a in ent for r in arm_runs(runs, "smollm2", a)]
+    differs = float(np.mean(at_1)) if at_1 else math.nan
+    over_run = {a: by_seed(runs, "smollm2", a, clip_differs) for a in ent}
+    fin = {a: by_seed(runs, "smollm2", a, final_accuracy) for a in ent}
+    start = {a: by_seed(runs, "smollm2", a, lambda r: run_mean(r, "losses/entropy", 1, 1)) for a in ent}
+    add("5-smollm2", paired({s: math.log(v) for s, v in ent["grpo-b0-eh0.28"].items()},
+                            {s: math.log(v) for s, v in ent["grpo-b0"].items()}), differs,
+        f"clip outcome differs for {pct(differs)} of tokens at step 1", differs >= MANIPULATION["clip_differs"],
+        f"entropy over steps {later}-{SMOLLM2_STEPS}: ε_high 0.28 {level(ent['grpo-b0-eh0.28'].values())}, "
+        f"ε_high 0.2 {level(ent['grpo-b0'].values())} nats/token (step 1: "
+        f"{level(start['grpo-b0-eh0.28'].values())} and {level(start['grpo-b0'].values())}); clip outcome differs "
+        f"over the whole run for {pct(mean_of(over_run['grpo-b0-eh0.28']))} (ε_high 0.28) and "
+        f"{pct(mean_of(over_run['grpo-b0']))} (0.2) of tokens; final accuracy (32 problems) ε_high 0.28 - 0.2 "
+        f"{fmt_est(paired(fin['grpo-b0-eh0.28'], fin['grpo-b0']))}")
+
+
+ENTROPY_PANELS = (
+    ("losses/entropy", True, "entropy of the sampling policy, log", "nats/token"),
+    ("clip/differs", False, "clip outcome differs, ε_high 0.2 vs 0.28 (grey: 1%)", "fraction of tokens"))
+
+
+def figure_5(runs: list[dict], out: Path) -> dict:
+    differs = lambda rs: [{**r, "rows": [{**row, "clip/differs": row["clip/shadow_grpo"] - row["clip/shadow_dapo"]}  # noqa: E731
+                                         for row in r["rows"] if "clip/shadow_grpo" in row]} for r in rs]
+    return {**two_panels(runs, out, "claim5_entropy", "smollm2", ("grpo-b0-eh0.28", "grpo-b0"), ENTROPY_PANELS,
+                         "smollm2 (SmolLM2-135M-Instruct, 16 minibatches), GRPO β=0 at ε_high 0.28 vs 0.2: mean over "
+                         "seeds with its 95% t interval (entropy in log space); right: the tokens ε_high acts on, per "
+                         "step (the check reads step 1, grey dotted: its 1% threshold)",
+                         threshold=MANIPULATION["clip_differs"], runs_of=differs),
+            **two_panels(runs, out, "claim5_entropy_stale16", "stale16", ("dapo", "dapo-eh0.2"), ENTROPY_PANELS,
+                         "stale16 (embedded model), DAPO at ε_high 0.28 vs 0.2, where the check fails: mean over seeds "
+                         "with its 95% t interval (entropy in log space); right: the manipulation check per step",
+                         threshold=MANIPULATION["clip_differs"], runs_of=differs)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6-8. The successors: CISPO, SAPO, GMPO at their presets (β = 0), against the β = 0 arms
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_6_8 = [
+    # The successors (issue 22), registered before any of their runs: each at its preset (β = 0), against arms at β = 0
+    Claim("6-cispo-learn", "6a. CISPO learns at least as well as GSPO (MiniMax-M1 §3.1, ScaleRL)",
+          "MiniMax-M1 §3.1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13913)",
+          "final held-out accuracy (step 40)",
+          "base: cispo - gspo, paired by seed", 0.0,
+          "the hard clip has tokens to drop that CISPO keeps: GRPO's shadow clip fraction on CISPO's batches > 0 in "
+          "every seed", margin=0.10, unit="accuracy"),
+    Claim("6-cispo-stale", "6b. ...and does not collapse under stale ratios", "MiniMax-M1 §3.1; ScaleRL",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: gspo - cispo (GSPO's drop minus CISPO's), paired by seed", 0.0,
+          "staleness acts: CISPO's mean |log ρ_t| in stale16 >= 2x base", margin=0.10, unit="accuracy"),
+    Claim("7-sapo", "7. SAPO's soft gate is more stable than GRPO's hard clip (SAPO)", "SAPO, arXiv 2511.20347",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo-b0 - sapo (the surrogate only), paired by seed", 0.10,
+          "staleness acts: SAPO's mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
+    Claim("8-gmpo", "8. GMPO is more stable than GRPO (GMPO)", "GMPO, arXiv 2507.20673",
+          "peak-to-final drop of held-out accuracy",
+          "stale16: grpo-b0 - gmpo, paired by seed", 0.10,
+          "staleness acts: GMPO's mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
+]
+
+
+def analyse_6_8(runs: list[dict], add) -> None:
+    def staleness(arm):
+        x = stale_x(runs, arm)
+        return x, f"mean |log ρ_t| stale16 / base: {arm} {x:.1f}x", x >= MANIPULATION["stale_x"]
+
+    acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("cispo", "gspo", "grpo-b0")}
+    drops = by_seed(runs, "base", "cispo", lambda r: run_mean(r, "clip/shadow_grpo"))  # what PPO's clip would drop
+    add("6-cispo-learn", paired(acc["cispo"], acc["gspo"]), mean_of(drops),
+        f"GRPO's clip would drop {mean_of(drops):.2g} of CISPO's tokens (> 0 in {sum(v > 0 for v in drops.values())} "
+        f"of {len(drops)} seeds)", bool(drops) and all(v > 0 for v in drops.values()),
+        f"final accuracy CISPO {level(acc['cispo'].values())}, GSPO {level(acc['gspo'].values())}, GRPO β=0 "
+        f"{level(acc['grpo-b0'].values())}; CISPO - GRPO β=0 {fmt_est(paired(acc['cispo'], acc['grpo-b0']))}")
+    text, drop = beside(runs, "cispo", "gspo")
+    add("6-cispo-stale", paired(drop["gspo"], drop["cispo"]), *staleness("cispo"), text)
+    for key, arm in (("7-sapo", "sapo"), ("8-gmpo", "gmpo")):
+        text, drop = beside(runs, arm, "grpo-b0")
+        extra = (f"; mean SAPO gate weight f'(ρ) in stale16 {level(by_seed(runs, 'stale16', 'sapo', lambda r: run_mean(r, 'clip/sapo_gate_mean')).values())}"
+                 if arm == "sapo" else "")
+        add(key, paired(drop["grpo-b0"], drop[arm]), *staleness(arm), text + extra)
+
+
+def figure_6_8(runs: list[dict], out: Path) -> dict:
+    return stability(runs, out, "claim6_8_successors", ("grpo-b0", "gspo", "cispo", "sapo", "gmpo"), "stale16, the "
+                     "successors at their presets beside GRPO and GSPO, all at β = 0: accuracy as mean over seeds with "
+                     "its 95% t interval; right: each seed's drop from its peak, grey: the 20-point collapse line")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every claim, its analysis and its figure, in the report's order
+# ---------------------------------------------------------------------------------------------------------------
+
+SECTIONS = [(CLAIMS_1, analyse_1, figure_1), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
+            (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8)]
+CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
+
+
+def judge(runs: list[dict]) -> list[dict]:
+    """One row per claim: the estimate, the manipulation check (value, passed), the verdict, and the secondary
+    numbers printed beside it."""
+    claims = {c.key: c for c in CLAIMS}
+    rows = []
+
+    def add(key, est, check_value, check_text, passed, extra=""):
+        c = claims[key]
+        rows.append({"key": key, "claim": c.title, "quantity": c.quantity, "contrast": c.contrast,
+                     "predicted": c.predicted, "margin": c.margin, "estimate": est, "check": check_text,
+                     "check_value": check_value, "exercised": passed,
+                     "verdict": "not run" if isinstance(check_value, float) and math.isnan(check_value)  # the
+                     else verdict(est, c.predicted, passed, c.margin), "extra": extra})  # check's arms have no runs
+
+    for _, analyse, _ in SECTIONS:
+        analyse(runs, add)
+    return rows
+
+
+def write_figures(runs: list[dict], rows: list[dict], out: Path) -> dict[str, tuple[int, str]]:
+    """The headline and each claim's figure; returns name -> (plotted points, caption)."""
+    figs = {"claims": headline(rows, {c.key: c for c in CLAIMS}, out)}
+    for _, _, figure in SECTIONS:
+        figs.update(figure(runs, out))
+    return figs

