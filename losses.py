@@ -16,7 +16,10 @@ A paper's objective is a choice along four independent axes, held in `LossConfig
     loss_agg_mode               how per-token losses L_it become one number (see `aggregate`)
     beta                        weight of the k3 estimate of KL(pi_theta || pi_ref), added to every L_it
 
-and one choice made before the loss, in `group_advantages`: divide by the group's reward std or not.
+and one choice made before the loss, the advantage estimator (`advantages`): GRPO's group-relative reward,
+divided by the group's reward std, the batch's, or not at all (scale_rewards group / batch / none: Dr.GRPO's
+none); RLOO's leave-one-out baseline; REINFORCE++-baseline's group mean then a whitening over the batch's tokens;
+MaxRL's division by the group's mean reward.
 
 Each unit u (a token, or a whole sequence at sequence level) has the PPO clipped surrogate
 
@@ -47,6 +50,8 @@ from torch import Tensor
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 Surrogate = Literal["clip", "cispo", "sapo", "gmpo"]
+Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"]
+ScaleRewards = Literal["group", "batch", "none"]
 
 
 @dataclass(frozen=True)
@@ -56,34 +61,39 @@ class LossConfig:
     epsilon: float = 0.2
     epsilon_high: float = 0.2
     beta: float = 0.0
-    scale_rewards: bool = True  # divide advantages by the group's reward std (False: Dr.GRPO)
+    scale_rewards: ScaleRewards = "group"  # grpo's divisor: the group's reward std, the batch's, or none (Dr.GRPO)
     surrogate: Surrogate = "clip"  # what the ratio does to the gradient: see `surrogate_loss`
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # ... and for A <= 0
+    advantage_estimator: Estimator = "grpo"  # how rewards become advantages: see `advantages`
+
+    def __post_init__(self):  # TRL's older booleans: True is "group", False is "none"
+        if isinstance(self.scale_rewards, bool):
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
 
 
 OBJECTIVE_FIELDS = tuple(f.name for f in fields(LossConfig))  # the flags that make up an objective (train.Args)
 
 PRESETS: dict[str, LossConfig] = {
     # DeepSeekMath (2402.03300): PPO's token ratio, per-sequence length normalisation, std-scaled advantages, KL.
-    "grpo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.04, scale_rewards=True),
+    "grpo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.04, scale_rewards="group"),
     # Dr.GRPO (2503.20783): no 1/|y_i| and no 1/std, so neither length nor difficulty re-weights a token.
-    "dr_grpo": LossConfig("token", "seq-mean-token-sum-norm", 0.2, 0.2, beta=0.0, scale_rewards=False),
+    "dr_grpo": LossConfig("token", "seq-mean-token-sum-norm", 0.2, 0.2, beta=0.0, scale_rewards="none"),
     # DAPO (2503.14476): clip-higher, every token of the step weighted equally (plus dynamic sampling and
     # overlong shaping, which act on the batch and the reward: see train.py and rewards.py).
-    "dapo": LossConfig("token", "token-mean", 0.2, 0.28, beta=0.0, scale_rewards=True),
+    "dapo": LossConfig("token", "token-mean", 0.2, 0.28, beta=0.0, scale_rewards="group"),
     # GSPO (2507.18071): one length-normalised ratio per sequence, clipped as a whole, in a very narrow range.
-    "gspo": LossConfig("sequence", "seq-mean-token-mean", 3e-4, 4e-4, beta=0.0, scale_rewards=True),
+    "gspo": LossConfig("sequence", "seq-mean-token-mean", 3e-4, 4e-4, beta=0.0, scale_rewards="group"),
     # CISPO (MiniMax-M1, 2506.13585 §3.1; ScaleRL 2510.13913): the weight is capped and carries no gradient; every
     # token keeps a REINFORCE gradient. Upper cap 1 + 4 = 5 (ScaleRL's eps_max = 5; TRL's epsilon_high = 5.0 is the
     # cap itself), no effective lower bound (1 - 1 = 0 < any ratio), token-mean like DAPO.
-    "cispo": LossConfig("token", "token-mean", 1.0, 4.0, beta=0.0, scale_rewards=True, surrogate="cispo"),
+    "cispo": LossConfig("token", "token-mean", 1.0, 4.0, beta=0.0, scale_rewards="group", surrogate="cispo"),
     # SAPO (2511.20347): a smooth, temperature-controlled gate in place of the hard clip, tau 1.0 for A > 0 and
     # 1.05 for A <= 0 (TRL 1.16's defaults); aggregated like GRPO. The clip range is unused.
-    "sapo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.0, scale_rewards=True, surrogate="sapo"),
+    "sapo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.0, scale_rewards="group", surrogate="sapo"),
     # GMPO (2507.20673): the geometric mean of the token ratios, each token's log-ratio clipped to (-0.4, 0.4)
     # (the paper's (e^-0.4, e^0.4)), sign-aware; one weight per sequence (verl's "geo_mean").
-    "gmpo": LossConfig("sequence", "seq-mean-token-mean", 0.4, 0.4, beta=0.0, scale_rewards=True, surrogate="gmpo"),
+    "gmpo": LossConfig("sequence", "seq-mean-token-mean", 0.4, 0.4, beta=0.0, scale_rewards="group", surrogate="gmpo"),
 }
 
 
@@ -108,17 +118,68 @@ class StepNorm:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
-    """A_i = (r_i - mean_G(r)) / (std_G(r) + eps), or r_i - mean_G(r) when `scale` is False (Dr.GRPO).
+def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards | bool = "group", eps: float = 1e-4) -> Tensor:
+    """GRPO (DeepSeekMath 2402.03300; TRL's scale_rewards): A_i = (r_i - mean_G(r)) / (std + eps), std the group's
+    ("group"), the whole batch's ("batch", TRL's choice for a less noisy divisor), or no division at all ("none",
+    Dr.GRPO 2503.20783: A_i = r_i - mean_G(r)).
 
     rewards: (B,) with the G completions of a prompt in consecutive rows. std is the unbiased (N-1) estimate.
     A group whose rewards are all equal gets A = 0 exactly: its numerator is exactly 0.
     """
+    scale = {True: "group", False: "none"}.get(scale, scale)
     r = rewards.view(-1, group_size)  # (P, G)
     centred = r - r.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
     return centred.reshape(-1)  # (B,)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO (Ahmadian et al. 2402.14740; verl's compute_rloo_outcome_advantage): each completion's baseline is the
+    mean reward of the other G - 1 in its group, A_i = r_i - (1/(G-1)) sum_{j != i} r_j = G/(G-1) (r_i - mean_G(r)),
+    written as verl computes it. Needs G >= 2."""
+    r = rewards.view(-1, group_size)  # (P, G)
+    g = group_size
+    return (r * g / (g - 1) - r.mean(dim=1, keepdim=True) * g / (g - 1)).reshape(-1)  # (B,)
+
+
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_size: int, lengths: Tensor) -> Tensor:
+    """REINFORCE++-baseline (Hu et al. 2501.03262; verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+    a_i = r_i - mean_G(r), then whitened over every completion token of the batch (verl's masked_whiten of a_i
+    repeated on each of y_i's |y_i| tokens): A_i = (a_i - mu) / sqrt(var + 1e-8), mu and var (unbiased, N - 1) the
+    token-weighted mean and variance of a, N = sum_i |y_i|. lengths: (B,) |y_i|."""
+    r = rewards.view(-1, group_size)  # (P, G)
+    a = (r - r.mean(dim=1, keepdim=True)).reshape(-1)  # (B,)
+    n = lengths.to(a.dtype)
+    tokens = n.sum()
+    mu = (a * n).sum() / tokens
+    var = ((a - mu) ** 2 * n).sum() / tokens * (tokens / (tokens - 1))
+    return (a - mu) * torch.rsqrt(var + 1e-8)  # (B,)
+
+
+def maxrl_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """MaxRL (Tajwar et al. 2026; rlhf-book's policy-gradients code, tunix): A_i = (r_i - mean_G(r)) / (mean_G(r)
+    + eps), 0 for a group whose mean reward is <= eps. For 0/1 rewards with K of G right: (G - K) / K for a right
+    answer, -1 for a wrong one, so a hard prompt's rare success weighs most (the 1/p(x) of maximum likelihood).
+    Needs rewards >= 0."""
+    r = rewards.view(-1, group_size)  # (P, G)
+    mean = r.mean(dim=1, keepdim=True)
+    return torch.where(mean > eps, (r - mean) / (mean + eps), torch.zeros_like(r)).reshape(-1)  # (B,)
+
+
+def advantages(rewards: Tensor, group_size: int, estimator: Estimator = "grpo", scale: ScaleRewards = "group",
+               lengths: Tensor | None = None) -> Tensor:
+    """The advantage of each completion, (B,), by `estimator`, over the whole batch (every process's rows: the
+    batch-level statistics of scale "batch" and of REINFORCE++-baseline need them)."""
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, scale)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_pp_baseline_advantages(rewards, group_size, lengths)
+    return maxrl_advantages(rewards, group_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------

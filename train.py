@@ -104,8 +104,10 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon)"""
     beta: float | None = None
     """weight of the k3 KL to the starting policy; 0 loads no reference model"""
-    scale_rewards: bool | None = None
-    """divide group advantages by the group's reward std"""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"] | None = None
+    """how rewards become advantages: GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL (losses.py)"""
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """grpo's divisor: the group's reward std, the whole batch's, or none (Dr.GRPO); the other estimators ignore it"""
     surrogate: Literal["clip", "cispo", "sapo", "gmpo"] | None = None
     """what the ratio does to the gradient: PPO's clip, CISPO's capped weight, SAPO's soft gate, GMPO's geometric mean"""
     sapo_tau_pos: float | None = None
@@ -294,9 +296,10 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
         drawn_correct, drawn = correctness(batch, args.num_generations), args.num_prompts
     policy.train()
     t1 = time.time()
-    # ALGO: group-relative advantages, A_i = (r_i - mean_group) [/ std_group]
-    reward = torch.tensor(batch.scores["reward"])  # (B,)
-    adv = losses.group_advantages(reward, args.num_generations, scale=cfg.scale_rewards)  # (B,) whole groups: local
+    # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
+    reward, lengths = world.gather_rows(torch.tensor(batch.scores["reward"]), batch.ro.lengths)  # (B,) all ranks
+    adv = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
+    adv = world.shard(adv)  # (B_r,) this rank's rows
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
     metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old)
     t2 = time.time()

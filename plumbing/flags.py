@@ -42,6 +42,9 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
                                       "advantage compares completions of the same prompt"),
     (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.advantage_estimator == "maxrl" and a.overlong_weight > 0,
+     "--advantage-estimator maxrl divides by the group's mean reward, which needs rewards >= 0, and DAPO's overlong "
+     "punishment makes them negative; use --overlong-weight 0 (or another estimator)"),
     (lambda a: a.rollout_correction != "off" and a.old_logprobs == "sampler",
      "--rollout-correction {rollout_correction} reweights by pi_old / mu, which is 1 when pi_old is the sampler's own "
      "log-probs; use --old-logprobs recompute (or auto)"),

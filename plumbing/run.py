@@ -22,6 +22,7 @@ import rewards
 import task
 from losses import LossConfig
 from plumbing import checkpoint, ddp, flags, lifecycle, logs
+from plumbing.errors import ConfigError
 from plumbing.ddp import SINGLE, World
 from plumbing.logs import EMBEDDED_TASKS
 
@@ -45,6 +46,9 @@ def resolve(args) -> tuple[object, LossConfig]:
     """Fill every unset objective field from the --algo preset."""
     preset = losses.PRESETS[args.algo]
     filled = {f: getattr(preset, f) if getattr(args, f) is None else getattr(args, f) for f in losses.OBJECTIVE_FIELDS}
+    if args.scale_rewards is not None and filled["advantage_estimator"] != "grpo":
+        raise ConfigError(f"--scale-rewards is grpo's divisor; --advantage-estimator {filled['advantage_estimator']} "
+                          "has its own normalisation: drop --scale-rewards (or use --advantage-estimator grpo)")
     is_dapo = args.algo == "dapo"
     args = replace(
         args, **filled,

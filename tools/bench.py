@@ -165,7 +165,7 @@ def trl_config(cfg: dict, steps: int, dtype: str, device: str, output_dir: str) 
         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
         loss_type=TRL_LOSS_TYPE[loss.loss_agg_mode], importance_sampling_level=loss.importance_sampling_level,
         epsilon=loss.epsilon, epsilon_high=loss.epsilon_high, beta=loss.beta,
-        scale_rewards="group" if loss.scale_rewards else "none", learning_rate=args.lr, lr_scheduler_type="constant",
+        scale_rewards=loss.scale_rewards, learning_rate=args.lr, lr_scheduler_type="constant",
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         max_steps=args.num_minibatches * (steps + 1), use_cpu=device == "cpu", bf16=dtype == "bfloat16", fp16=False,
         gradient_checkpointing=False, report_to="none", logging_steps=10_000, save_strategy="no", seed=0,

@@ -20,7 +20,7 @@ def test_trl_config_matches_our_side(tmp_path, dtype):
         (loss.importance_sampling_level, bench.TRL_LOSS_TYPE[loss.loss_agg_mode])
     assert (config.epsilon, config.epsilon_high, config.beta) == (loss.epsilon, loss.epsilon_high, loss.beta) \
         == (3e-4, 4e-4, 0.0)
-    assert config.scale_rewards == "group" and loss.scale_rewards
+    assert config.scale_rewards == loss.scale_rewards == "group"
     # one rollout of P*G rows split into the same number of optimizer steps, one epoch
     rows = cfg["num_prompts"] * cfg["num_generations"]
     assert config.steps_per_generation == args.num_minibatches == 4
