@@ -66,6 +66,7 @@ class LossConfig:
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # ... and for A <= 0
     advantage_estimator: Estimator = "grpo"  # how rewards become advantages: see `advantages`
+    clip_ratio_c: float | None = None  # dual-clip: for A < 0 the clip surrogate's loss is capped at -c A (`dual_clip`)
 
     def __post_init__(self):  # TRL's older booleans: True is "group", False is "none"
         if isinstance(self.scale_rewards, bool):
@@ -217,6 +218,13 @@ def clipped_surrogate(w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -
     return -torch.minimum(w * adv, torch.clamp(w, 1 - eps_low, 1 + eps_high) * adv)
 
 
+def dual_clip(loss: Tensor, adv: Tensor, c: float) -> Tensor:
+    """Dual-clip PPO (Ye et al. 1912.09729; verl's clip_ratio_c, default 3): for A < 0 the clipped loss
+    -min(w A, clip(w) A) = -A max(w, 1 - eps) grows without bound with w, the branch a stale ratio can blow up; it is
+    capped there, L = min(L, -c A), and a capped unit gives no gradient. Units with A >= 0 are unchanged."""
+    return torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+
+
 def cispo_surrogate(logp: Tensor, w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """CISPO (MiniMax-M1 eq. 4-5): L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(y_it).
 
@@ -267,7 +275,8 @@ def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cf
     if cfg.surrogate == "sapo":
         return sapo_surrogate(w, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     if cfg.surrogate == "clip":
-        return clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
+        loss = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
+        return loss if cfg.clip_ratio_c is None else dual_clip(loss, adv, cfg.clip_ratio_c)
     raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo or gmpo")
 
 
@@ -282,6 +291,12 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
     if per_token_advantages and (cfg.importance_sampling_level == "sequence"):
         raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
                          "use importance_sampling_level='sequence_token' for per-token advantages")
+    if cfg.clip_ratio_c is not None and cfg.surrogate != "clip":
+        raise ValueError(f"dual-clip (--clip-ratio-c) caps PPO's clip surrogate; {cfg.surrogate} bounds its ratio its "
+                         "own way: drop --clip-ratio-c (or use --surrogate clip)")
+    if cfg.clip_ratio_c is not None and cfg.clip_ratio_c <= 1:
+        raise ValueError(f"--clip-ratio-c must be above 1 (got {cfg.clip_ratio_c:g}; verl's default is 3): the cap "
+                         "-c A must lie above the clip's own -A (1 - epsilon)")
     if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
         raise ValueError("SAPO's temperatures must be > 0")
 
@@ -405,6 +420,13 @@ def clip_fractions(w: Tensor, adv: Tensor, eps_low: float, eps_high: float, vali
     return float(low.sum() / n), float(high.sum() / n)
 
 
+def dual_clip_fraction(w: Tensor, adv: Tensor, cfg: LossConfig, mask: Tensor) -> float:
+    """Fraction of the units (tokens; all of a sequence's at sequence level) whose loss dual-clip capped: A < 0 and
+    the clip surrogate above -c A. w, adv and mask broadcast to (B, T)."""
+    loss = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
+    return masked_mean(((adv < 0) & (loss > -cfg.clip_ratio_c * adv)).float().expand_as(mask), mask)
+
+
 def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
     """f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)): the weight SAPO's gate leaves on a unit's gradient
     (1 on-policy, toward 0 far from w = 1)."""
@@ -456,6 +478,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
                          SAPO and GMPO what plays the clip's part: see clip_fraction_of)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
+    clip/dual_frac       with dual-clip (clip_ratio_c): the fraction of tokens whose loss it capped
     The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is tools/diagnostics.py.
     """
     mask = mask.to(logp.dtype)
@@ -485,4 +508,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "clip/frac": clip_fraction_of(cfg, log_ratio, adv_tok, mask),
         "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
     }
+    if cfg.clip_ratio_c is not None:  # what dual-clip capped: the units with A < 0 whose loss it bounded
+        w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
+        diag["clip/dual_frac"] = dual_clip_fraction(w, adv_tok, cfg, mask)
     return diag

@@ -108,12 +108,18 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """how rewards become advantages: GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL (losses.py)"""
     scale_rewards: Literal["group", "batch", "none"] | None = None
     """grpo's divisor: the group's reward std, the whole batch's, or none (Dr.GRPO); the other estimators ignore it"""
+    clip_ratio_c: float | None = None
+    """dual-clip: for A < 0, cap the clip surrogate's loss at -c A (verl's clip_ratio_c, usually 3); None: off"""
     surrogate: Literal["clip", "cispo", "sapo", "gmpo"] | None = None
     """what the ratio does to the gradient: PPO's clip, CISPO's capped weight, SAPO's soft gate, GMPO's geometric mean"""
     sapo_tau_pos: float | None = None
     """SAPO's gate temperature for tokens with A > 0"""
     sapo_tau_neg: float | None = None
     """SAPO's gate temperature for tokens with A <= 0"""
+
+    mask_truncated: bool = False
+    """truncated completions (no EOS within max_new_tokens) give no loss, and their tokens leave every normaliser
+    (TRL's mask_truncated_completions; DAPO's overlong filtering)"""
 
     # rewards and DAPO's sampling
     dynamic_sampling: bool | None = None
@@ -232,6 +238,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     device = next(policy.parameters()).device
     ro = batch.ro.to(device)
     adv, mask = adv.to(device), ro.completion_mask.float()  # (B,), (B, T)
+    if args.mask_truncated:  # ALGO: a truncated completion's tokens leave the loss and its normalisers
+        mask = mask * (1 - ro.truncated.float()).unsqueeze(-1)
     b = mask.shape[0]
     mb_size = b // args.num_minibatches
     source = pi_old or pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
@@ -305,7 +313,7 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
     metrics.update(logs.rollout_metrics(batch, adv, args.num_generations, drawn_correct, drawn,
-                                        drawn - args.num_prompts, world))
+                                        drawn - args.num_prompts, world, args.mask_truncated))
     metrics.update(logs.timing(batch, t1 - t0, t2 - t1, scheduler.get_last_lr()[0], world))
     return batch, metrics
 

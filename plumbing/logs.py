@@ -69,7 +69,7 @@ def eval_lines(when: str, m: dict, samples: list | None, n_problems: int) -> str
 
 
 def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tensor, drawn: int, dropped: int,
-                    world: World = SINGLE) -> dict:
+                    world: World = SINGLE, mask_truncated: bool = False) -> dict:
     """Rewards, lengths and advantages of the whole rollout (every rank's rows), and the correctness of every group
     drawn (drawn_correct: (groups, G), this rank's; with dynamic sampling, also the groups it dropped)."""
     correct_drawn = torch.cat(world.gather_rows(drawn_correct))  # (groups drawn, G) over all ranks
@@ -92,6 +92,8 @@ def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tenso
         "charts/advantage_abs": float(adv.abs().mean()),
     }
     m.update({f"rewards/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"})
+    if mask_truncated:  # --mask-truncated: the completions the loss left out
+        m["charts/masked_frac"] = float(truncated.mean())
     # Dr.GRPO's length-bias claim is about these two; a key is left out when its set is empty
     if correct.any():
         m["charts/len_correct"] = float(lengths[correct].mean())

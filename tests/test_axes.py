@@ -1,0 +1,99 @@
+"""Dual-clip and overlong masking (issue 37.3) against the references: verl's compute_policy_loss with clip_ratio_c,
+and TRL 1.16's mask_truncated_completions (the completion mask times "not truncated", then each loss type's own
+normaliser), on random batches; and both end to end, with what they touched logged."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import losses
+import train
+from conftest import SMALL_ARGS
+from losses import PRESETS, StepNorm
+
+
+def batch(seed, b=6, t=7):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 2
+    logp = (old + torch.randn(b, t, generator=gen, dtype=torch.float64) * 1.5).requires_grad_(True)  # stale
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+def verl_dual_clip_loss(old, logp, adv, mask, eps_low, eps_high, c):  # verl core_algos.compute_policy_loss, token-mean
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    losses1 = -adv * ratio
+    losses2 = -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    clip1 = torch.maximum(losses1, losses2)
+    losses3 = -adv * c
+    clip2 = torch.min(losses3, clip1)
+    per_token = torch.where(adv < 0, clip2, clip1)
+    lower = ((clip1 > losses3) * (adv < 0)).double()
+    return (per_token * mask).sum() / mask.sum(), (lower * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("c", [1.5, 3.0])
+def test_dual_clip_equals_verl_in_loss_gradient_and_fraction(seed, c):
+    logp, old, adv, mask = batch(seed)
+    cfg = replace(PRESETS["dapo"], clip_ratio_c=c)  # token-mean, as verl's default aggregation
+    ours = losses.policy_loss(logp, old, adv, mask, StepNorm.of(mask, 7), cfg)
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    a = adv.unsqueeze(-1).expand_as(logp)
+    ref, frac = verl_dual_clip_loss(old, logp, a, mask, cfg.epsilon, cfg.epsilon_high, c)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-12, atol=1e-12)
+    diag = losses.ratio_diagnostics(logp.detach(), old, adv, mask, cfg)
+    assert diag["clip/dual_frac"] == pytest.approx(float(frac), abs=1e-12) and diag["clip/dual_frac"] > 0
+
+
+def test_dual_clip_changes_only_negative_advantages_beyond_the_cap():
+    logp, old, adv, mask = batch(0)
+    plain, capped = PRESETS["grpo"], replace(PRESETS["grpo"], clip_ratio_c=3.0)
+    w = torch.exp(logp.detach() - old)
+    a = adv.unsqueeze(-1).expand_as(w)
+    l_plain = losses.surrogate_loss(logp.detach(), old, a, mask, plain)
+    l_capped = losses.surrogate_loss(logp.detach(), old, a, mask, capped)
+    changed = l_plain != l_capped
+    assert changed.any() and torch.equal(changed, (a < 0) & (w > 3.0) & (mask > 0))  # A < 0 units with w above c
+    assert torch.equal(l_capped[changed], -3.0 * a[changed])
+
+
+def trl_masked_loss(per_token, mask, truncated, loss_type, max_len):  # TRL 1.16 _compute_loss after masking
+    mask = mask * (~truncated).unsqueeze(1).double()
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return (per_token * mask).sum() / (per_token.size(0) * max_len)  # dr_grpo
+
+
+@pytest.mark.parametrize("algo,loss_type", [("grpo", "grpo"), ("dapo", "dapo"), ("dr_grpo", "dr_grpo")])
+@pytest.mark.parametrize("seed", range(3))
+def test_masking_truncated_completions_equals_trl(algo, loss_type, seed):
+    """Their tokens leave every normaliser (TRL multiplies the completion mask); the sequence count B stays."""
+    logp, old, adv, mask = batch(seed)
+    truncated = torch.arange(6) % 3 == 0
+    cfg = replace(PRESETS[algo], beta=0.0)
+    masked = mask * (1 - truncated.double()).unsqueeze(-1)
+    ours = losses.policy_loss(logp, old, adv, masked, StepNorm.of(masked, 7), cfg)
+    per_token = losses.surrogate_loss(logp, old, adv.unsqueeze(-1), mask, cfg)
+    torch.testing.assert_close(ours, trl_masked_loss(per_token, mask, truncated, loss_type, 7), rtol=1e-12,
+                               atol=1e-12)
+    (grad,) = torch.autograd.grad(ours, logp)
+    assert torch.equal(grad[truncated], torch.zeros_like(grad[truncated]))  # a truncated row gets no gradient
+
+
+def test_both_end_to_end_with_what_they_touched_logged(tmp_path, tiny_policy_dir):
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
+                         "max_new_tokens": 6, "mask_truncated": True, "clip_ratio_c": 1.5, "lr": 1e-2,
+                         "save_model": False})
+    train.train(args)
+    rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][1:]
+    assert all(r["charts/masked_frac"] == r["charts/truncated_frac"] for r in rows)
+    assert any(r["charts/masked_frac"] > 0 for r in rows) and all(0 <= r["clip/dual_frac"] <= 1 for r in rows)
