@@ -51,6 +51,7 @@ ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 Surrogate = Literal["clip", "cispo", "sapo", "gmpo"]
 Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"]
+KLEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
 
 
@@ -67,6 +68,9 @@ class LossConfig:
     sapo_tau_neg: float = 1.05  # ... and for A <= 0
     advantage_estimator: Estimator = "grpo"  # how rewards become advantages: see `advantages`
     clip_ratio_c: float | None = None  # dual-clip: for A < 0 the clip surrogate's loss is capped at -c A (`dual_clip`)
+    kl_estimator: KLEstimator = "k3"  # which estimate of KL(pi_theta || pi_ref) beta weighs (`kl_estimate`)
+    kl_in: Literal["loss", "reward"] = "loss"  # added to every token's loss (GRPO), or subtracted from the reward
+    kl_ratio_correction: bool = False  # weigh the loss's KL by the importance ratio (TRL's use_bias_correction_kl)
 
     def __post_init__(self):  # TRL's older booleans: True is "group", False is "none"
         if isinstance(self.scale_rewards, bool):
@@ -168,6 +172,13 @@ def maxrl_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     r = rewards.view(-1, group_size)  # (P, G)
     mean = r.mean(dim=1, keepdim=True)
     return torch.where(mean > eps, (r - mean) / (mean + eps), torch.zeros_like(r)).reshape(-1)  # (B,)
+
+
+def kl_in_reward(sampler_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstimator) -> Tensor:
+    """The KL penalty taken from each completion's reward when kl_in is "reward" (verl's use_kl_in_reward, PPO-RLHF):
+    r_i <- r_i - beta * sum_t KL_it, the KL estimated on the sampled tokens under the policy that sampled them.
+    Returns sum_t KL_it: (B,). It carries no gradient: it acts through the advantages."""
+    return (kl_estimate(sampler_logp, ref_logp, estimator) * mask).sum(-1)
 
 
 def advantages(rewards: Tensor, group_size: int, estimator: Estimator = "grpo", scale: ScaleRewards = "group",
@@ -297,8 +308,27 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
     if cfg.clip_ratio_c is not None and cfg.clip_ratio_c <= 1:
         raise ValueError(f"--clip-ratio-c must be above 1 (got {cfg.clip_ratio_c:g}; verl's default is 3): the cap "
                          "-c A must lie above the clip's own -A (1 - epsilon)")
+    if cfg.kl_ratio_correction and cfg.kl_in == "reward":
+        raise ValueError("--kl-ratio-correction weighs the loss's KL term by the importance ratio; with --kl-in "
+                         "reward there is no KL term in the loss: drop one of the two")
     if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
         raise ValueError("SAPO's temperatures must be > 0")
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimates of KL(pi_theta || pi_ref) from tokens sampled by pi_theta (Schulman, "Approximating KL
+    divergence", 2020), with d = log pi_ref - log pi_theta:
+        k1 = -d                 unbiased, high variance, can be negative; its gradient is the score function's
+        k2 = d^2 / 2            biased, low variance, >= 0
+        k3 = exp(d) - d - 1     unbiased, >= 0: GRPO's (DeepSeekMath eq. 4), verl's "low_var_kl"
+    As a loss term the k3 gradient is biased unless weighed by pi_theta / pi_old ("Comedy of Estimators",
+    2512.21852; DeepSeek-V3.2): see policy_loss's kl_ratio_correction."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d ** 2 / 2
+    return torch.exp(d) - d - 1
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -366,7 +396,8 @@ def policy_loss(
     rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
 ) -> Tensor:
     """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
-    rollout correction's weight if any, plus beta times the k3 KL on every token, aggregated by loss_agg_mode.
+    rollout correction's weight if any, plus beta times the KL estimate on every token (with kl_in "loss"; times
+    the importance ratio with kl_ratio_correction), aggregated by loss_agg_mode.
 
     clip   (GRPO, Dr.GRPO, DAPO at token level; GSPO at sequence level, where w = s_i and L_it = L_i on every token)
         L_u = -min(w_u A_u, clip(w_u, 1-eps, 1+eps_high) A_u)
@@ -383,10 +414,13 @@ def policy_loss(
     per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
     if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
         per_token = per_token * rollout_weight
-    if cfg.beta > 0:
+    if cfg.beta > 0 and cfg.kl_in == "loss":
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
-        per_token = per_token + cfg.beta * k3_kl(logp, ref_logp)
+        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)  # (B, T)
+        if cfg.kl_ratio_correction:  # KL_it * w_it, w the (unclipped, differentiable) ratio at the objective's level
+            kl = kl * importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
+        per_token = per_token + cfg.beta * kl
     return aggregate(per_token, mask, cfg.loss_agg_mode, norm)
 
 

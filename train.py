@@ -32,7 +32,7 @@ import rollout
 import task
 from losses import LossConfig
 from plumbing import ddp, errors, flags, lifecycle, logs, run as runs, settings
-from plumbing.accumulate import Accumulator
+from plumbing.accumulate import Accumulator, score_rows
 from plumbing.ddp import SINGLE, World
 from plumbing.errors import DynamicSamplingError
 from plumbing.run import PromptStream
@@ -103,7 +103,13 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     epsilon_high: float | None = None
     """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon)"""
     beta: float | None = None
-    """weight of the k3 KL to the starting policy; 0 loads no reference model"""
+    """weight of the KL to the starting policy; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    """the KL estimate beta weighs: k1 (-d), k2 (d^2/2) or k3 (e^d - d - 1, GRPO's), d = log pi_ref - log pi"""
+    kl_in: Literal["loss", "reward"] | None = None
+    """the KL as a loss term on every token (GRPO), or subtracted from each completion's reward (verl, PPO-RLHF)"""
+    kl_ratio_correction: bool | None = None
+    """weigh the loss's KL by the importance ratio pi/pi_old (TRL 1.16's use_bias_correction_kl, its default)"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"] | None = None
     """how rewards become advantages: GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL (losses.py)"""
     scale_rewards: Literal["group", "batch", "none"] | None = None
@@ -259,7 +265,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         old_logp, old_entropy = ro.sampler_logp, ro.sampler_entropy
     elif source == "recompute":  # steps.score: in micro-batches, halved after an out-of-memory error
         old_logp, old_entropy = steps.score(lambda rows: logprobs(policy, rows, with_entropy=True), everything, mb_size)
-    if cfg.beta > 0:
+    if cfg.beta > 0 and cfg.kl_in == "loss":
         ref_logp = steps.score(lambda rows: logprobs(ref_policy, rows), everything, mb_size)
 
     def loss_of(net, rows, norm):
@@ -287,6 +293,16 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     return {**steps.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag}
 
 
+def reward_kl(ref_policy, ro: rollout.Rollout, estimator: str, args: Args, device: torch.device) -> torch.Tensor:
+    """sum_t KL_it of each completion, between the distributions the sampler drew from and the reference (--kl-in
+    reward, losses.kl_in_reward): (B,), on the host."""
+    ro_dev = ro.to(device)
+    ref_logp = score_rows(lambda rows: rollout.completion_logprobs(  # PLUMBING: micro-batches, out-of-memory halving
+        ref_policy, ro_dev.input_ids[rows], ro_dev.attention_mask[rows], ro.completion_ids.shape[1], args.temperature),
+        torch.arange(len(ro.lengths), device=device), len(ro.lengths) // args.num_minibatches, args.micro_batch_size)
+    return losses.kl_in_reward(ro_dev.sampler_logp, ref_logp, ro_dev.completion_mask.float(), estimator).cpu()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One RL step: sample -> score -> advantages -> update
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,8 +320,11 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
         drawn_correct, drawn = correctness(batch, args.num_generations), args.num_prompts
     policy.train()
     t1 = time.time()
+    reward = torch.tensor(batch.scores["reward"])  # (B_r,)
+    if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
+        reward = reward - cfg.beta * reward_kl(ref_policy, batch.ro, cfg.kl_estimator, args, policy.device)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
-    reward, lengths = world.gather_rows(torch.tensor(batch.scores["reward"]), batch.ro.lengths)  # (B,) all ranks
+    reward, lengths = world.gather_rows(reward, batch.ro.lengths)  # (B,) all ranks
     adv = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
     adv = world.shard(adv)  # (B_r,) this rank's rows
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)

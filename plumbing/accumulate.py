@@ -26,13 +26,8 @@ class Accumulator:
         self.records, self.losses, self.grad_norms, self.skipped = [], [], [], 0  # of the steps taken so far
 
     def score(self, fn, rows: torch.Tensor, step_rows: int):
-        """fn(rows) over every row in micro-batches (halved after an out-of-memory error), concatenated: a forward
-        pass without gradient, e.g. pi_old's or the reference's log-probs over the whole rollout."""
-        @torch.inference_mode()
-        def run(micro):
-            parts = [fn(r) for r in rows.split(micro)]
-            return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
-        return lifecycle.shrink_on_oom(run, step_rows, self.micro_batch_size, lambda: None, self.world.size)
+        """fn(rows) over every row in micro-batches (see score_rows)."""
+        return score_rows(fn, rows, step_rows, self.micro_batch_size, self.world.size)
 
     def step(self, rows: torch.Tensor, mask: torch.Tensor, loss_of) -> None:
         """One optimizer step on `rows` (this rank's share). loss_of(model, rows, norm) -> (loss, record): the loss of
@@ -68,3 +63,13 @@ class Accumulator:
         return {"losses/policy_loss": float(np.mean(self.losses)) if self.losses else float("nan"),
                 "losses/grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else float("nan"),
                 "losses/skipped_updates": self.skipped}
+
+
+def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int, world_size: int = 1):
+    """fn(rows) over every row in micro-batches (--micro-batch-size, or halved from step_rows after an out-of-memory
+    error), concatenated: a forward pass without gradient, e.g. pi_old's or the reference's log-probs of a rollout."""
+    @torch.inference_mode()
+    def run(micro):
+        parts = [fn(r) for r in rows.split(micro)]
+        return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
+    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, world_size)

@@ -97,3 +97,65 @@ def test_both_end_to_end_with_what_they_touched_logged(tmp_path, tiny_policy_dir
     rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][1:]
     assert all(r["charts/masked_frac"] == r["charts/truncated_frac"] for r in rows)
     assert any(r["charts/masked_frac"] > 0 for r in rows) and all(0 <= r["clip/dual_frac"] <= 1 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL estimators, their placement and the ratio correction (issue 37.2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_equal_their_closed_forms_in_value_and_gradient(estimator):
+    gen = torch.Generator().manual_seed(0)
+    ref = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 3
+    logp = (ref + torch.randn(4, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    d = (ref - logp).detach()
+    value = losses.kl_estimate(logp, ref, estimator)
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    expected_value = {"k1": -d, "k2": d ** 2 / 2, "k3": torch.exp(d) - d - 1}[estimator]
+    expected_grad = {"k1": torch.ones_like(d), "k2": -d, "k3": 1 - torch.exp(d)}[estimator]  # d/dlogp, d = ref - logp
+    torch.testing.assert_close(value, expected_value, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.usefixtures("float64")  # conftest: exact comparisons in double precision
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("correction", [False, True])
+@pytest.mark.parametrize("shift", [0.0, 0.3])  # on-policy (the correction still moves the gradient) and stale
+def test_kl_in_the_loss_equals_trl_with_and_without_its_bias_correction(level, correction, shift):
+    from test_successors import T as T_TRL, batch as trl_batch, trl
+
+    logp, old, adv, mask = trl_batch(shift, seed=4)
+    ref = old - 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=old.dtype)
+    cfg = replace(PRESETS["grpo"], importance_sampling_level=level, kl_ratio_correction=correction)
+    x = logp.clone().requires_grad_(True)
+    loss = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T_TRL), cfg, ref_logp=ref)
+    loss.backward()
+    theirs = trl("grpo", logp, old, adv, mask, _level=level, _bias_correction_kl=correction, epsilon_low=0.2,
+                 epsilon_high=0.2, beta=cfg.beta, _extra_inputs={"ref_per_token_logps": ref})
+    assert loss.item() == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
+    assert torch.allclose(x.grad, theirs[1], rtol=1e-10, atol=1e-14)
+    if shift == 0.0 and correction:  # on-policy, the ratio's value is 1 but its gradient is not: TRL's documented point
+        plain = replace(cfg, kl_ratio_correction=False)
+        y = logp.clone().requires_grad_(True)
+        losses.policy_loss(y, old, adv, mask, StepNorm.of(mask, T_TRL), plain, ref_logp=ref).backward()
+        assert not torch.allclose(x.grad, y.grad)
+
+
+def test_kl_in_the_reward_is_the_sampled_tokens_kl_summed_and_the_loss_has_none(tmp_path, tiny_policy_dir):
+    gen = torch.Generator().manual_seed(1)
+    sampler = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    ref = sampler - 0.3 * torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    d = ref - sampler
+    torch.testing.assert_close(losses.kl_in_reward(sampler, ref, mask, "k1"), (-d * mask).sum(-1))
+    logp, old, adv, mask6 = batch(0)
+    in_reward = replace(PRESETS["grpo"], kl_in="reward")
+    no_kl = replace(PRESETS["grpo"], beta=0.0)
+    a = losses.policy_loss(logp, old, adv, mask6, StepNorm.of(mask6, 7), in_reward)  # no reference needed
+    assert a.item() == losses.policy_loss(logp, old, adv, mask6, StepNorm.of(mask6, 7), no_kl).item()
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
+                         "kl_in": "reward", "kl_estimator": "k1", "total_steps": 1, "save_model": False})
+    train.train(args)  # end to end: the reference scores the rollout before the advantages
+    rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()]
+    assert "losses/kl_ref" not in rows[-1] and rows[-1]["charts/reward"] is not None

@@ -36,7 +36,8 @@ def ours(cfg, logp, old, adv, mask, max_new=T):
     return loss.item(), x.grad
 
 
-def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, **config):
+def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, _level="token", _bias_correction_kl=False,
+        **config):
     """TRL 1.16's GRPOTrainer._compute_loss itself, on a stand-in for the trainer that holds only what it reads;
     its forward pass is replaced by our log-probs (so both sides differentiate the same leaf)."""
     from trl import GRPOTrainer
@@ -44,9 +45,9 @@ def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, **config):
     x = logp.clone().requires_grad_(True)
     metrics = {"train": __import__("collections").defaultdict(list)}
     args = SimpleNamespace(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None,
-                           use_bias_correction_kl=False, steps_per_generation=1)
+                           use_bias_correction_kl=_bias_correction_kl, steps_per_generation=1)
     fake = SimpleNamespace(
-        args=args, loss_type=loss_type, importance_sampling_level="token", top_entropy_quantile=1.0,
+        args=args, loss_type=loss_type, importance_sampling_level=_level, top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, aux_loss_enabled=False, _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t),
