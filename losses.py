@@ -71,6 +71,8 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"  # which estimate of KL(pi_theta || pi_ref) beta weighs (`kl_estimate`)
     kl_in: Literal["loss", "reward"] = "loss"  # added to every token's loss (GRPO), or subtracted from the reward
     kl_ratio_correction: bool = False  # weigh the loss's KL by the importance ratio (TRL's use_bias_correction_kl)
+    entropy_coef: float = 0.0  # entropy bonus: subtract coef x the mean entropy of the policy's tokens (`policy_loss`)
+    top_entropy_quantile: float = 1.0  # train only on tokens this top fraction by entropy (`high_entropy_mask`)
 
     def __post_init__(self):  # TRL's older booleans: True is "group", False is "none"
         if isinstance(self.scale_rewards, bool):
@@ -112,6 +114,7 @@ class StepNorm:
     num_seqs: int  # B: sequences in the optimizer step
     num_tokens: int  # sum_i |y_i| over the optimizer step
     max_new_tokens: int  # Dr.GRPO's constant: the generation budget, whatever the actual lengths
+    micro_batches: int = 1  # how many micro-batches the step is split into (the entropy bonus averages over them)
 
     @staticmethod
     def of(mask: Tensor, max_new_tokens: int) -> "StepNorm":
@@ -308,6 +311,9 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
     if cfg.clip_ratio_c is not None and cfg.clip_ratio_c <= 1:
         raise ValueError(f"--clip-ratio-c must be above 1 (got {cfg.clip_ratio_c:g}; verl's default is 3): the cap "
                          "-c A must lie above the clip's own -A (1 - epsilon)")
+    if not 0.0 < cfg.top_entropy_quantile <= 1.0:
+        raise ValueError(f"--top-entropy-quantile is the fraction of tokens kept, in (0, 1] (got "
+                         f"{cfg.top_entropy_quantile:g}; the 80/20 paper keeps 0.2)")
     if cfg.kl_ratio_correction and cfg.kl_in == "reward":
         raise ValueError("--kl-ratio-correction weighs the loss's KL term by the importance ratio; with --kl-in "
                          "reward there is no KL term in the loss: drop one of the two")
@@ -385,6 +391,18 @@ def bound_rollout_ratio(w: Tensor, kind: str, c_min: float | None, c_max: float 
     return w.masked_fill((w < low) | (w > high), 0.0)
 
 
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """The "80/20" token selection (Wang et al. 2506.01939; TRL's top_entropy_quantile): 1 for the valid tokens whose
+    entropy is at least the (1 - quantile) quantile of the valid tokens' entropies (linear interpolation, torch's),
+    0 elsewhere; the policy term then trains on the highest-entropy `quantile` of tokens, the "forks" of reasoning.
+    entropy, mask: (B, T) -> (B, T) in {0, 1}."""
+    valid = entropy[mask.bool()].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(valid, 1 - quantile)
+    return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
+
+
 def policy_loss(
     logp: Tensor,  # (B, T) log pi_theta of the completion tokens, with gradient
     old_logp: Tensor,  # (B, T) log pi_old, the sampling policy before this rollout's first update
@@ -394,10 +412,13 @@ def policy_loss(
     cfg: LossConfig,  # checked once at start-up (flags.validate calls check_config), not here
     ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
     rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
+    entropy: Tensor | None = None,  # (B, T) pi_theta's per-token entropy (with gradient for the entropy bonus)
 ) -> Tensor:
     """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
     rollout correction's weight if any, plus beta times the KL estimate on every token (with kl_in "loss"; times
-    the importance ratio with kl_ratio_correction), aggregated by loss_agg_mode.
+    the importance ratio with kl_ratio_correction), aggregated by loss_agg_mode; with top_entropy_quantile < 1 the
+    policy term only on the highest-entropy tokens; with entropy_coef, minus coef times their mean entropy (TRL 1.16's
+    bonus: a mean over the micro-batch's trained tokens, divided by the step's number of micro-batches).
 
     clip   (GRPO, Dr.GRPO, DAPO at token level; GSPO at sequence level, where w = s_i and L_it = L_i on every token)
         L_u = -min(w_u A_u, clip(w_u, 1-eps, 1+eps_high) A_u)
@@ -412,6 +433,10 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
     per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
+    effective = mask  # the tokens the policy term trains on
+    if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
+        effective = mask * high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
+        per_token = per_token * effective
     if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
         per_token = per_token * rollout_weight
     if cfg.beta > 0 and cfg.kl_in == "loss":
@@ -421,7 +446,10 @@ def policy_loss(
         if cfg.kl_ratio_correction:  # KL_it * w_it, w the (unclipped, differentiable) ratio at the objective's level
             kl = kl * importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
         per_token = per_token + cfg.beta * kl
-    return aggregate(per_token, mask, cfg.loss_agg_mode, norm)
+    loss = aggregate(per_token, mask, cfg.loss_agg_mode, norm)
+    if cfg.entropy_coef != 0.0:  # L - coef H, H the mean entropy over the trained tokens of each micro-batch (TRL's)
+        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1) / norm.micro_batches
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------------------------

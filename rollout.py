@@ -164,16 +164,18 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, wi
 
     Taken as logit - logsumexp, one row (T, V) at a time: no full-vocabulary float32 copy of the whole batch is made
     (at a 151,936-token vocabulary one row of 256 tokens is 0.16 GB; the batch's copies would be B times that). With
-    `with_entropy`, also the per-token entropy (B, T) of the tempered distribution, without gradient.
+    `with_entropy`, also the per-token entropy (B, T) of the tempered distribution, without gradient ("grad": with).
     """
     logp, entropy = [], []
     for row, target in zip(logits, targets):  # (T, V), (T,)
         row = row.float() / temperature  # (T, V)
         logz = torch.logsumexp(row, dim=-1)  # (T,)
         logp.append(row.gather(-1, target.unsqueeze(-1)).squeeze(-1) - logz)
-        if with_entropy:
+        if with_entropy == "grad":  # the entropy bonus differentiates it
+            entropy.append(logz - (torch.softmax(row, dim=-1) * row).sum(-1))  # H = log Z - E_p[logit]
+        elif with_entropy:
             with torch.no_grad():
-                entropy.append(logz - (torch.softmax(row, dim=-1) * row).sum(-1))  # H = log Z - E_p[logit]
+                entropy.append(logz - (torch.softmax(row, dim=-1) * row).sum(-1))
     if not with_entropy:
         return torch.stack(logp)
     return torch.stack(logp), torch.stack(entropy)

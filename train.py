@@ -116,6 +116,10 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """grpo's divisor: the group's reward std, the whole batch's, or none (Dr.GRPO); the other estimators ignore it"""
     clip_ratio_c: float | None = None
     """dual-clip: for A < 0, cap the clip surrogate's loss at -c A (verl's clip_ratio_c, usually 3); None: off"""
+    entropy_coef: float | None = None
+    """entropy bonus: the loss minus this times the mean entropy of the trained tokens (TRL's entropy_coef)"""
+    top_entropy_quantile: float | None = None
+    """train the policy term only on this top fraction of tokens by entropy (0.2: the 80/20 paper); 1: all"""
     surrogate: Literal["clip", "cispo", "sapo", "gmpo"] | None = None
     """what the ratio does to the gradient: PPO's clip, CISPO's capped weight, SAPO's soft gate, GMPO's geometric mean"""
     sapo_tau_pos: float | None = None
@@ -268,19 +272,22 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     if cfg.beta > 0 and cfg.kl_in == "loss":
         ref_logp = steps.score(lambda rows: logprobs(ref_policy, rows), everything, mb_size)
 
+    # the current policy's entropy, where the objective reads it (with gradient for the bonus)
+    needs_entropy = "grad" if cfg.entropy_coef != 0.0 else cfg.top_entropy_quantile < 1.0 or source == "on-policy"
+
     def loss_of(net, rows, norm):
         """The objective on some rows of an optimizer step, with the step's normalisers."""
         entropy = None
-        if source == "on-policy":
-            logp, entropy = logprobs(net, rows, with_entropy=True)
-            old = logp.detach()
+        if needs_entropy:
+            logp, entropy = logprobs(net, rows, with_entropy=needs_entropy)
         else:
-            logp, old = logprobs(net, rows), old_logp[rows]
+            logp = logprobs(net, rows)
+        old = logp.detach() if source == "on-policy" else old_logp[rows]
         # ALGO: --rollout-correction: w = pi_old / mu reweights each unit's loss (losses.py)
         weight = None if correction is None else losses.rollout_correction_weights(old, mu[rows], mask[rows], *correction)
         loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                  None if ref_logp is None else ref_logp[rows], rollout_weight=weight)
-        return loss, (rows, logp.detach(), entropy)
+                                  None if ref_logp is None else ref_logp[rows], rollout_weight=weight, entropy=entropy)
+        return loss, (rows, logp.detach(), None if entropy is None else entropy.detach())
 
     # ALGO: epochs x minibatches over the one rollout, one optimizer step per minibatch (PPO's inner loop)
     for _ in range(args.num_epochs):

@@ -8,6 +8,7 @@ skip of an update whose loss or gradient is not finite. Nothing here changes wha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -51,6 +52,7 @@ class Accumulator:
         norm = self.world.step_norm(mask[rows], self.max_new_tokens)  # normalisers of the whole step, all ranks
         total, records = 0.0, []
         parts = rows.split(micro)
+        norm = dataclasses.replace(norm, micro_batches=len(parts))
         for i, part in enumerate(parts):
             with self.world.sync_gradients(last=i == len(parts) - 1):
                 loss, record = loss_of(self.net, part, norm)

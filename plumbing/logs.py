@@ -139,6 +139,17 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
     if mu_seen is not None:
         metrics.update(diagnostics.mismatch_metrics(old_all, mu_seen, mask_seen))
+    if cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0:  # what the entropy controls touched
+        masked = trained = weighted = 0.0
+        for part, _, e in seen:  # per micro-batch, as the loss saw them
+            valid = mask[part]
+            kept = valid * losses.high_entropy_mask(e, valid, cfg.top_entropy_quantile) \
+                if cfg.top_entropy_quantile < 1.0 else valid
+            masked, trained, weighted = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
+                weighted + float((e * kept).sum())
+        masked, trained, weighted, tokens = world.sum([masked, trained, weighted, float(mask[rows].sum())])
+        metrics["entropy/masked_frac"] = masked / max(tokens, 1)  # the share of tokens without a policy gradient
+        metrics["entropy/bonus"] = cfg.entropy_coef * weighted / max(trained, 1)  # coef x their mean entropy
     if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
         level, kind = correction[0].split("_")
         raw = losses.rollout_ratio(old_all, mu_seen, mask_seen, level)

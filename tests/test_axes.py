@@ -159,3 +159,43 @@ def test_kl_in_the_reward_is_the_sampled_tokens_kl_summed_and_the_loss_has_none(
     train.train(args)  # end to end: the reference scores the rollout before the advantages
     rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()]
     assert "losses/kl_ref" not in rows[-1] and rows[-1]["charts/reward"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entropy control: the top-entropy token mask and the entropy bonus (issue 37.4)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+@pytest.mark.parametrize("quantile,coef", [(0.2, 0.0), (1.0, 0.05), (0.5, 0.05)])
+def test_top_entropy_mask_and_entropy_bonus_equal_trl(algo, quantile, coef):
+    from test_successors import T as T_TRL, batch as trl_batch, trl
+
+    logp, old, adv, mask = trl_batch(0.3, seed=6)
+    entropy_of = lambda x: torch.nn.functional.softplus(0.7 * x + 1.3)  # noqa: E731  a differentiable stand-in
+    cfg = replace(PRESETS[algo], beta=0.0, top_entropy_quantile=quantile, entropy_coef=coef)
+    x = logp.clone().requires_grad_(True)
+    loss = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T_TRL), cfg, entropy=entropy_of(x))
+    loss.backward()
+    theirs = trl(algo, logp, old, adv, mask, _entropy_fn=entropy_of, top_entropy_quantile=quantile,
+                 entropy_coef=coef, _entropy_bonus_enabled=coef != 0.0, epsilon_low=cfg.epsilon,
+                 epsilon_high=cfg.epsilon_high)
+    assert loss.item() == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
+    assert torch.allclose(x.grad, theirs[1], rtol=1e-10, atol=1e-14)
+
+
+def test_high_entropy_mask_keeps_the_top_fraction_of_valid_tokens():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.6]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: never kept, never counted
+    kept = losses.high_entropy_mask(entropy, mask, 0.3)  # top 30% of 7 valid tokens: the quantile is at 0.7
+    assert kept.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
+
+
+def test_entropy_controls_end_to_end(tmp_path, tiny_policy_dir):
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "dapo",
+                         "top_entropy_quantile": 0.2, "entropy_coef": 0.01, "total_steps": 1, "save_model": False,
+                         "max_sampling_rounds": 30})
+    train.train(args)
+    row = [json.loads(line) for line in (tmp_path / "dapo-s0" / "metrics.jsonl").open()][-1]
+    assert 0.7 < row["entropy/masked_frac"] < 0.85 and row["entropy/bonus"] > 0  # ~80% of tokens left out

@@ -37,7 +37,7 @@ def ours(cfg, logp, old, adv, mask, max_new=T):
 
 
 def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, _level="token", _bias_correction_kl=False,
-        **config):
+        _entropy_fn=None, **config):
     """TRL 1.16's GRPOTrainer._compute_loss itself, on a stand-in for the trainer that holds only what it reads;
     its forward pass is replaced by our log-probs (so both sides differentiate the same leaf)."""
     from trl import GRPOTrainer
@@ -47,13 +47,17 @@ def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, _level="token"
     args = SimpleNamespace(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None,
                            use_bias_correction_kl=_bias_correction_kl, steps_per_generation=1)
     fake = SimpleNamespace(
-        args=args, loss_type=loss_type, importance_sampling_level=_level, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        args=args, loss_type=loss_type, importance_sampling_level=_level,
+        off_policy_mask_threshold=None, aux_loss_enabled=False,
         current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t),
-        _metrics=metrics, entropy_coef=0.0, router_aux_loss_coef=0.0,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (x, torch.zeros_like(x), None),
-        **{"beta": 0.0, "use_vllm": False, **config})
+        _metrics=metrics, router_aux_loss_coef=0.0,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (x, (_entropy_fn or torch.zeros_like)(x), None),
+        use_adaptive_entropy=False, **{"beta": 0.0, "use_vllm": False, "top_entropy_quantile": 1.0,
+                                       "_entropy_bonus_enabled": False, "entropy_coef": 0.0, **config})
+    fake.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(fake, e, m, t)
+    fake.accelerator.pad_across_processes = lambda t, **k: t
+    fake.accelerator.sync_gradients = True
     inputs = {"prompt_ids": torch.zeros(len(LENGTHS), 1, dtype=torch.long),
               "prompt_mask": torch.ones(len(LENGTHS), 1, dtype=torch.long),
               "completion_ids": torch.zeros(len(LENGTHS), T, dtype=torch.long), "completion_mask": mask,
