@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import model as models
+import rollout
 import task
 
 pytestmark = pytest.mark.skipif(
@@ -24,7 +25,5 @@ def test_smollm_gguf_loads_and_answers_in_the_chat_format():
     assert not policy.is_quantized and policy.hf_quantizer is None
     prompt = rollout.format_prompt(tok, task.instruct_text((47, 13)))
     assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
-    import rollout
-
     ro = rollout.generate(policy, tok, [prompt], max_new_tokens=16, greedy=True)
     assert ro.completion_mask.sum() > 0
