@@ -5,8 +5,8 @@ advantages, then take `num_minibatches` optimizer steps over the P*G rollout for
 the objective of `--algo` (losses.policy_loss). Only a rollout's first minibatch is on-policy (ratio 1); the later
 ones see a moved policy, so the ratios, their variance and the clip fractions (the GSPO paper's subject) move.
 
-Read top to bottom: Args (the flags that shape the algorithm), sampling, advantages, the update, the step, the
-loop. `# ALGO:` marks the algorithm; `# PLUMBING:` marks bookkeeping (plumbing/) that changes nothing learned.
+Read top to bottom: Args, sampling, the update, the step, the loop. `# ALGO:` marks the algorithm; `# PLUMBING:`
+bookkeeping (plumbing/) that changes nothing learned.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """embedded, embedded-long, embedded-instruct, embedded-add, a JSONL/JSON/parquet/CSV file, a saved folder or a
-    hub dataset (docs/reference.md#real-models-and-datasets)"""
+    """embedded(-long, -instruct, -add), a JSONL/JSON/parquet/CSV file, a saved folder or a hub dataset"""
 
     # rollout: P prompts x G completions
     total_steps: int | None = None
@@ -73,11 +72,9 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     num_epochs: int = 1
     """passes over each rollout"""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
-    """pi_old: the sampler's own log-probs, or recomputed before the first update; auto: sampler in fp32, recompute
-    in bf16 or with --rollout-correction (see pi_old_source)"""
+    """pi_old: the sampler's own log-probs or recomputed before the first update; auto: see pi_old_source"""
     rollout_correction: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "off"
-    """reweight each unit's loss by w = pi_old / mu, mu the sampler's distribution: truncate caps w to [min, max],
-    mask drops a unit outside it (TRL's vLLM correction, IcePop)"""
+    """weigh each unit's loss by w = pi_old / mu (mu: the sampler's), capped (truncate) or dropped (mask) outside"""
     rollout_correction_max: float | None = 3.0
     """C_max of --rollout-correction (TRL's default 3); None: no upper bound"""
     rollout_correction_min: float | None = None
@@ -128,8 +125,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """SAPO's gate temperature for tokens with A <= 0"""
 
     mask_truncated: bool = False
-    """truncated completions (no EOS within max_new_tokens) give no loss, and their tokens leave every normaliser
-    (TRL's mask_truncated_completions; DAPO's overlong filtering)"""
+    """completions without EOS within max_new_tokens give no loss (DAPO's overlong filtering; TRL's)"""
 
     # rewards and DAPO's sampling
     dynamic_sampling: bool | None = None
@@ -226,11 +222,9 @@ def select_groups(batch: Batch, groups: list[int], g: int) -> Batch:
 
 def pi_old_source(num_minibatches: int, num_epochs: int, old_logprobs: str, rollout_correction: str,
                   compute_dtype: torch.dtype) -> Literal["on-policy", "sampler", "recompute"]:
-    """Where pi_old comes from, decided here only. on-policy (1 minibatch, 1 epoch): every update sees the policy
-    that sampled, every ratio is 1 and pi_old is the detached log-prob itself. sampler: the log-probs of the
-    distributions generate drew from (no forward pass). recompute: one forward pass over the rollout before its
-    first update, as TRL and verl do; auto takes it in bf16 (a cached decode and a full forward round differently by
-    more than GSPO's clip range) and for --rollout-correction, which compares the two."""
+    """Where pi_old comes from, decided here only. on-policy (1 minibatch, 1 epoch): every ratio is 1, pi_old is the
+    detached log-prob. sampler: the distributions generate drew from. recompute: a forward pass before the first
+    update (TRL, verl); auto recomputes in bf16 (a cached decode rounds differently) and for --rollout-correction."""
     if num_minibatches == 1 and num_epochs == 1:
         return "on-policy"
     if old_logprobs != "auto":

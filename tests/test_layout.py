@@ -82,6 +82,12 @@ def test_the_top_level_holds_the_design():
     assert {p.stem for p in ROOT.glob("*.py")} == CORE
 
 
+def test_train_py_reads_as_the_loop_in_at_most_400_lines():
+    """train.py is the page people read first: Args, sampling, the update, the step, the loop; plumbing lives in
+    plumbing/ (issue 35)."""
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 400
+
+
 def test_the_core_does_not_import_the_research_tools():
     """The research tools are built on train.py, not the other way round (diagnostics, the study's per-step
     instrumentation, is the one tool the loop logs)."""
