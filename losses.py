@@ -49,7 +49,7 @@ from torch import Tensor
 
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
-Surrogate = Literal["clip", "cispo", "sapo", "gmpo"]
+Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"]
 Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -239,6 +239,48 @@ def dual_clip(loss: Tensor, adv: Tensor, c: float) -> Tensor:
     return torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
 
 
+COV_RATIO, CLIP_COV_LB, CLIP_COV_UB, KL_COV_COEF = 2e-4, 1.0, 5.0, 1.0  # verl's defaults for Clip-Cov and KL-Cov
+
+
+def token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """Each token's centred covariance term (A_t - mean A)(log pi_t - mean log pi), means over the valid tokens: the
+    entropy paper's (2505.22617) driver of entropy change; a few high-covariance tokens collapse entropy."""
+    n = mask.sum()
+    return (adv - (adv * mask).sum() / n) * (logp - (logp.detach() * mask).sum() / n)
+
+
+def clip_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float,
+                       generator: torch.Generator | None = None) -> Tensor:
+    """Clip-Cov (Cui et al. 2505.22617; verl's compute_policy_loss_clip_cov): PPO's clip, and in addition the
+    gradient of a random COV_RATIO of the valid tokens is cut, drawn among those the clip left alone whose
+    covariance lies in (CLIP_COV_LB, CLIP_COV_UB). The draw is torch.randperm's, from `generator`."""
+    ratio = torch.exp(logp - old_logp)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    valid = mask > 0
+    cov = token_covariance(logp, adv, mask).masked_fill(~valid | ((pg2 > pg1) & valid), -torch.inf)
+    chosen = torch.nonzero((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid)  # (k, 2)
+    keep = torch.ones_like(logp)
+    if len(chosen):
+        picked = chosen[torch.randperm(len(chosen), generator=generator)[:max(int(COV_RATIO * mask.sum().item()), 1)]]
+        keep[picked[:, 0], picked[:, 1]] = 0
+    return torch.maximum(pg1, pg2) * keep
+
+
+def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """KL-Cov (Cui et al. 2505.22617; verl's compute_policy_loss_kl_cov): no clip, L = -A rho; the top COV_RATIO of
+    valid tokens by covariance get a penalty KL_COV_COEF |log rho| added, which holds them near pi_old."""
+    log_ratio = logp - old_logp
+    loss = -adv * torch.exp(log_ratio)
+    valid = mask > 0
+    a, lp = adv.expand_as(logp)[valid].detach(), logp[valid].detach()
+    cov = (a - a.mean()) * (lp - lp.mean())
+    top = torch.topk(cov, max(1, int(len(cov) * COV_RATIO))).indices
+    flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0][top]  # positions in (B * T)
+    penalty = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
+    penalty[flat] = 1.0
+    return loss + KL_COV_COEF * log_ratio.abs() * penalty.view_as(logp)
+
+
 def cispo_surrogate(logp: Tensor, w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """CISPO (MiniMax-M1 eq. 4-5): L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(y_it).
 
@@ -278,9 +320,14 @@ def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, ep
     return -torch.exp(masked_seq_mean(clipped, mask)).unsqueeze(-1) * adv  # (B, 1) * (B, 1) -> broadcast (B, T)
 
 
-def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
+                   generator: torch.Generator | None = None) -> Tensor:
     """Per-token losses (B, T) of the configured treatment of the ratio: PPO's clip, CISPO's capped stop-gradient
-    weight, SAPO's soft gate, or GMPO's clipped geometric mean."""
+    weight, SAPO's soft gate, GMPO's clipped geometric mean, or the entropy paper's Clip-Cov and KL-Cov."""
+    if cfg.surrogate == "clip_cov":
+        return clip_cov_surrogate(logp, old_logp, adv.expand_as(logp), mask, cfg.epsilon, cfg.epsilon_high, generator)
+    if cfg.surrogate == "kl_cov":
+        return kl_cov_surrogate(logp, old_logp, adv, mask)
     if cfg.surrogate == "gmpo":
         return gmpo_surrogate(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high).expand_as(logp)
     w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)  # (B, T)
@@ -291,7 +338,7 @@ def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cf
     if cfg.surrogate == "clip":
         loss = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
         return loss if cfg.clip_ratio_c is None else dual_clip(loss, adv, cfg.clip_ratio_c)
-    raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo or gmpo")
+    raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo, gmpo, clip_cov or kl_cov")
 
 
 def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
@@ -305,6 +352,9 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
     if per_token_advantages and (cfg.importance_sampling_level == "sequence"):
         raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
                          "use importance_sampling_level='sequence_token' for per-token advantages")
+    if cfg.surrogate in ("clip_cov", "kl_cov") and cfg.importance_sampling_level != "token":
+        raise ValueError(f"{cfg.surrogate} acts on single tokens (their covariance with the advantage): use "
+                         "--importance-sampling-level token")
     if cfg.clip_ratio_c is not None and cfg.surrogate != "clip":
         raise ValueError(f"dual-clip (--clip-ratio-c) caps PPO's clip surrogate; {cfg.surrogate} bounds its ratio its "
                          "own way: drop --clip-ratio-c (or use --surrogate clip)")
@@ -413,6 +463,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
     rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
     entropy: Tensor | None = None,  # (B, T) pi_theta's per-token entropy (with gradient for the entropy bonus)
+    generator: torch.Generator | None = None,  # Clip-Cov's random draw
 ) -> Tensor:
     """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
     rollout correction's weight if any, plus beta times the KL estimate on every token (with kl_in "loss"; times
@@ -432,7 +483,7 @@ def policy_loss(
     """
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
-    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg)  # (B, T)
+    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator)  # (B, T)
     effective = mask  # the tokens the policy term trains on
     if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
         effective = mask * high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
@@ -489,6 +540,20 @@ def dual_clip_fraction(w: Tensor, adv: Tensor, cfg: LossConfig, mask: Tensor) ->
     return masked_mean(((adv < 0) & (loss > -cfg.clip_ratio_c * adv)).float().expand_as(mask), mask)
 
 
+def cov_fraction(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> float:
+    """The share of valid tokens Clip-Cov cuts (min(COV_RATIO n, the candidates)) or KL-Cov penalises: a count,
+    whichever tokens the draw picks."""
+    n = int(mask.sum())
+    if cfg.surrogate == "kl_cov":
+        return min(max(1, int(n * COV_RATIO)), n) / max(n, 1)
+    ratio = torch.exp(logp - old_logp)
+    valid = mask > 0
+    clipped = (-adv * torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high) > -adv * ratio) & valid
+    cov = token_covariance(logp, adv, mask)
+    candidates = int(((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid & ~clipped).sum())
+    return min(max(int(COV_RATIO * n), 1), candidates) / max(n, 1)
+
+
 def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
     """f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)): the weight SAPO's gate leaves on a unit's gradient
     (1 on-policy, toward 0 far from w = 1)."""
@@ -502,6 +567,8 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
     successors, what plays the clip's part: CISPO's capped weights, the units SAPO's gate leaves under half their
     gradient (f'(w) < 0.5), GMPO's clipped token log-ratios."""
     valid = mask > 0
+    if cfg.surrogate == "kl_cov":  # no clip: the share of tokens it penalises
+        return min(max(1, int(valid.sum() * COV_RATIO)), int(valid.sum())) / max(int(valid.sum()), 1)
     if cfg.surrogate == "cispo":
         rho = torch.exp(log_ratio)
         capped = ((rho < 1 - cfg.epsilon) | (rho > 1 + cfg.epsilon_high)) & valid
@@ -541,6 +608,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
                          SAPO and GMPO what plays the clip's part: see clip_fraction_of)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
     clip/dual_frac       with dual-clip (clip_ratio_c): the fraction of tokens whose loss it capped
+    clip/cov_frac        with Clip-Cov / KL-Cov: the fraction of tokens whose gradient it cut / that it penalised
     The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is tools/diagnostics.py.
     """
     mask = mask.to(logp.dtype)
@@ -570,6 +638,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "clip/frac": clip_fraction_of(cfg, log_ratio, adv_tok, mask),
         "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
     }
+    if cfg.surrogate in ("clip_cov", "kl_cov"):  # the tokens the covariance rule cut (Clip-Cov) or penalised (KL-Cov)
+        diag["clip/cov_frac"] = cov_fraction(logp, old_logp, adv_tok, mask, cfg)
     if cfg.clip_ratio_c is not None:  # what dual-clip capped: the units with A < 0 whose loss it bounded
         w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
         diag["clip/dual_frac"] = dual_clip_fraction(w, adv_tok, cfg, mask)

@@ -117,8 +117,8 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """entropy bonus: the loss minus this times the mean entropy of the trained tokens (TRL's entropy_coef)"""
     top_entropy_quantile: float | None = None
     """train the policy term only on this top fraction of tokens by entropy (0.2: the 80/20 paper); 1: all"""
-    surrogate: Literal["clip", "cispo", "sapo", "gmpo"] | None = None
-    """what the ratio does to the gradient: PPO's clip, CISPO's capped weight, SAPO's soft gate, GMPO's geometric mean"""
+    surrogate: Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"] | None = None
+    """what the ratio does to the gradient: PPO's clip, CISPO, SAPO, GMPO, or the entropy paper's Clip-Cov, KL-Cov"""
     sapo_tau_pos: float | None = None
     """SAPO's gate temperature for tokens with A > 0"""
     sapo_tau_neg: float | None = None
@@ -279,8 +279,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         old = logp.detach() if source == "on-policy" else old_logp[rows]
         # ALGO: --rollout-correction: w = pi_old / mu reweights each unit's loss (losses.py)
         weight = None if correction is None else losses.rollout_correction_weights(old, mu[rows], mask[rows], *correction)
-        loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg,
-                                  None if ref_logp is None else ref_logp[rows], rollout_weight=weight, entropy=entropy)
+        loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg, None if ref_logp is None else
+                                  ref_logp[rows], rollout_weight=weight, entropy=entropy, generator=gen)
         return loss, (rows, logp.detach(), None if entropy is None else entropy.detach())
 
     # ALGO: epochs x minibatches over the one rollout, one optimizer step per minibatch (PPO's inner loop)

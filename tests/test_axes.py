@@ -199,3 +199,81 @@ def test_entropy_controls_end_to_end(tmp_path, tiny_policy_dir):
     train.train(args)
     row = [json.loads(line) for line in (tmp_path / "dapo-s0" / "metrics.jsonl").open()][-1]
     assert 0.7 < row["entropy/masked_frac"] < 0.85 and row["entropy/bonus"] > 0  # ~80% of tokens left out
+
+
+# Clip-Cov and KL-Cov, as verl computes them (core_algos.compute_policy_loss_clip_cov / _kl_cov, token-mean)
+
+def verl_masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum()
+
+
+def verl_clip_cov(old, logp, adv, mask, eps_low, eps_high, ratio_c=2e-4, lb=1.0, ub=5.0):
+    ratio = torch.exp(logp - old)
+    pg1 = -adv * ratio
+    corr = torch.ones_like(adv)
+    pg2 = -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    clip_by_origin = (pg2 > pg1) & (mask > 0)
+    cov_all = (adv - verl_masked_mean(adv, mask)) * (logp - verl_masked_mean(logp.detach(), mask))
+    cov_all[mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(ratio_c * mask.sum().item()), 1)
+    idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (mask > 0))
+    if len(idx) > 0:
+        perm = torch.randperm(len(idx))  # verl draws from the global generator
+        idx = idx[perm[: min(clip_num, len(idx))]]
+    corr[idx[:, 0], idx[:, 1]] = 0
+    losses_ = torch.maximum(pg1, pg2) * corr
+    return (losses_ * mask).sum() / mask.sum()
+
+
+def verl_kl_cov(old, logp, adv, mask, ratio_k=2e-4, coef=1.0):
+    neg_kl = logp - old
+    ratio = torch.exp(neg_kl)
+    pg = -adv * ratio
+    pg_kl = -adv * ratio + coef * neg_kl.abs()
+    valid = mask > 0
+    valid_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    a, lp = adv[valid].detach().reshape(-1), logp[valid].detach().reshape(-1)
+    cov = (a - a.mean()) * (lp - lp.mean())
+    top = valid_idx[torch.topk(cov, max(1, int(len(cov) * ratio_k)), largest=True).indices]
+    pg = pg.clone()
+    pg[top // adv.shape[1], top % adv.shape[1]] = pg_kl[top // adv.shape[1], top % adv.shape[1]]
+    return (pg * mask).sum() / mask.sum()
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("surrogate", ["clip_cov", "kl_cov"])
+def test_clip_cov_and_kl_cov_equal_verl(surrogate, seed):
+    """On a batch of ~6,000 tokens (so 2e-4 of them is more than one) with large covariances, loss and gradient equal
+    verl's; Clip-Cov's random draw is the same permutation (our generator, verl's global one, the same seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t = 60, 100
+    lengths = torch.randint(40, t + 1, (b,), generator=gen)
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).double()
+    old = -torch.rand(b, t, generator=gen) * 6
+    logp = old + 0.05 * torch.randn(b, t, generator=gen)
+    adv = (torch.randn(b, generator=gen) * 2).unsqueeze(-1).expand(b, t)
+    cfg = replace(PRESETS["dapo"], surrogate=surrogate)
+    x = logp.clone().requires_grad_(True)
+    ours = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, t), cfg,
+                              generator=torch.Generator().manual_seed(100 + seed))
+    ours.backward()
+    y = logp.clone().requires_grad_(True)
+    torch.manual_seed(100 + seed)
+    ref = verl_clip_cov(old, y, adv, mask, cfg.epsilon, cfg.epsilon_high) if surrogate == "clip_cov" else \
+        verl_kl_cov(old, y, adv, mask)
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12)
+    frac = losses.ratio_diagnostics(logp, old, adv, mask, cfg)["clip/cov_frac"]
+    assert 0 < frac <= 2e-4 + 1 / mask.sum()  # the rule touched at least one token, and no more than its share
+
+
+@pytest.mark.parametrize("surrogate", ["clip_cov", "kl_cov"])
+def test_cov_surrogates_end_to_end_with_their_fraction_logged(tmp_path, tiny_policy_dir, surrogate):
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
+                         "beta": 0.0, "surrogate": surrogate, "total_steps": 1, "save_model": False})
+    train.train(args)
+    row = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][-1]
+    assert 0 <= row["clip/cov_frac"] < 0.05 and row["losses/skipped_updates"] == 0
