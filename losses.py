@@ -453,6 +453,41 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
 
 
+@dataclass
+class AdaptiveEntropy:
+    """Skywork-OR1's adaptive entropy control (2505.22312; TRL 1.16's use_adaptive_entropy, its defaults): the bonus
+    coefficient c applies only while the last optimizer step's mean entropy H (over the trained tokens of every
+    micro-batch and process) is at or below `target`; after each step c += delta if H <= target else c -= delta,
+    kept in [low, high]. State, kept in checkpoints: c and the last H (inf before the first step: no bonus yet)."""
+    coef: float
+    target: float
+    last_entropy: float = math.inf
+    delta: float = 0.005
+    low: float = 0.0
+    high: float = 1.0
+    window: tuple = (0.0, 0.0)  # this step's (sum of H over trained tokens, their count), so far
+
+    def applied(self) -> float:
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def observe(self, entropy: Tensor, trained: Tensor) -> None:
+        self.window = (self.window[0] + float((entropy * trained).sum()), self.window[1] + float(trained.sum()))
+
+    def after_step(self, records: list, mask: Tensor, quantile: float, total=lambda v: v) -> None:
+        """Observe one optimizer step's micro-batches, records of (rows, log-probs, entropy), then end it."""
+        for rows, _, entropy in records:
+            trained = mask[rows] if quantile >= 1.0 else mask[rows] * high_entropy_mask(entropy, mask[rows], quantile)
+            self.observe(entropy, trained)
+        self.end_step(total)
+
+    def end_step(self, total=lambda v: v) -> None:
+        """After an optimizer step; `total` sums a list over processes (World.sum)."""
+        entropy_sum, count = total(list(self.window))
+        self.last_entropy, self.window = entropy_sum / max(count, 1.0), (0.0, 0.0)
+        step = self.delta if self.last_entropy <= self.target else -self.delta
+        self.coef = min(max(self.coef + step, self.low), self.high)
+
+
 def policy_loss(
     logp: Tensor,  # (B, T) log pi_theta of the completion tokens, with gradient
     old_logp: Tensor,  # (B, T) log pi_old, the sampling policy before this rollout's first update

@@ -19,7 +19,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
     signal.signal(signal.SIGINT, lambda *_: sys.exit("interrupted before start-up; nothing was written"))
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -32,7 +32,7 @@ import rollout
 import task
 from losses import LossConfig
 from plumbing import ddp, errors, flags, lifecycle, logs, run as runs, settings
-from plumbing.accumulate import Accumulator, score_rows
+from plumbing.accumulate import Accumulator, score_rollout
 from plumbing.ddp import SINGLE, World
 from plumbing.errors import DynamicSamplingError
 from plumbing.run import PromptStream
@@ -115,6 +115,8 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """dual-clip: for A < 0, cap the clip surrogate's loss at -c A (verl's clip_ratio_c, usually 3); None: off"""
     entropy_coef: float | None = None
     """entropy bonus: the loss minus this times the mean entropy of the trained tokens (TRL's entropy_coef)"""
+    entropy_target: float | None = None
+    """adaptive entropy bonus (Skywork-OR1, TRL's use_adaptive_entropy): applied, and raised, below this entropy"""
     top_entropy_quantile: float | None = None
     """train the policy term only on this top fraction of tokens by entropy (0.2: the 80/20 paper); 1: all"""
     surrogate: Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"] | None = None
@@ -169,10 +171,6 @@ def sample_groups(policy, tokenizer, prompts: list[task.Example], args: Args) ->
     return sample(policy, tokenizer, [ex for ex in prompts for _ in range(args.num_generations)], args)
 
 
-def correctness(batch: Batch, g: int) -> torch.Tensor:
-    return torch.tensor(batch.scores["correct"]).view(-1, g)  # (groups, G)
-
-
 def dynamic_sampling(policy, tokenizer, stream: PromptStream, args: Args, world: World) -> tuple[Batch, torch.Tensor, int]:
     """DAPO's dynamic sampling: draw P prompts at a time and keep only groups of mixed correctness (all right or all
     wrong gives every advantage 0), until P groups are kept, for at most max_sampling_rounds draws. Filtering reads
@@ -185,7 +183,7 @@ def dynamic_sampling(policy, tokenizer, stream: PromptStream, args: Args, world:
         drawn += args.num_prompts
         if n_kept < n_rows:  # a rank that is full only keeps the others company
             batch = sample_groups(policy, tokenizer, prompts, args)
-            correct = correctness(batch, g)  # (P/N, G)
+            correct = torch.tensor(batch.scores["correct"]).view(-1, g)  # (P/N, G)
             all_correct.append(correct)
             is_mixed = correct.max(1).values != correct.min(1).values  # (P/N,)
             uniform += [(batch.examples[i * g].prompt, "all right" if correct[i, 0] else "all wrong")
@@ -233,9 +231,10 @@ def pi_old_source(num_minibatches: int, num_epochs: int, old_logprobs: str, roll
 
 
 def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Tensor, cfg: LossConfig, args: Args,
-           gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None) -> dict:
+           gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None,
+           entropy_control: losses.AdaptiveEntropy | None = None) -> dict:
     """num_epochs passes over the rollout in num_minibatches shuffled minibatches, one optimizer step each.
-    pi_old: pi_old_source's answer for this run (None: ask it here)."""
+    pi_old: pi_old_source's answer for this run (None: ask it here); entropy_control: --entropy-target's state."""
     # PLUMBING: one optimizer step over micro-batches and ranks, out-of-memory halving, the non-finite skip
     steps = Accumulator(policy, optimizer, scheduler, world, args.micro_batch_size, args.max_grad_norm,
                         args.max_new_tokens)
@@ -267,7 +266,9 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         ref_logp = steps.score(lambda rows: logprobs(ref_policy, rows), everything, mb_size)
 
     # the current policy's entropy, where the objective reads it (with gradient for the bonus)
-    needs_entropy = "grad" if cfg.entropy_coef != 0.0 else cfg.top_entropy_quantile < 1.0 or source == "on-policy"
+    needs_entropy = "grad" if cfg.entropy_coef != 0.0 or entropy_control else \
+        cfg.top_entropy_quantile < 1.0 or source == "on-policy"
+    step_cfg = cfg  # the objective of the current optimizer step (the adaptive bonus's coefficient changes)
 
     def loss_of(net, rows, norm):
         """The objective on some rows of an optimizer step, with the step's normalisers."""
@@ -279,7 +280,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         old = logp.detach() if source == "on-policy" else old_logp[rows]
         # ALGO: --rollout-correction: w = pi_old / mu reweights each unit's loss (losses.py)
         weight = None if correction is None else losses.rollout_correction_weights(old, mu[rows], mask[rows], *correction)
-        loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, cfg, None if ref_logp is None else
+        loss = losses.policy_loss(logp, old, adv[rows], mask[rows], norm, step_cfg, None if ref_logp is None else
                                   ref_logp[rows], rollout_weight=weight, entropy=entropy, generator=gen)
         return loss, (rows, logp.detach(), None if entropy is None else entropy.detach())
 
@@ -287,21 +288,16 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
+            n = len(steps.records)
+            step_cfg = cfg if entropy_control is None else replace(cfg, entropy_coef=entropy_control.applied())
             steps.step(mb, mask, loss_of)
+            if entropy_control:  # ALGO: Skywork-OR1's controller moves the coefficient after every optimizer step
+                entropy_control.after_step(steps.records[n:], mask, cfg.top_entropy_quantile, world.sum)
     on_policy = source == "on-policy"
     diag = logs.update_metrics(steps.records, None if on_policy else old_logp, None if on_policy else old_entropy,
                                ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
-    return {**steps.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag}
-
-
-def reward_kl(ref_policy, ro: rollout.Rollout, estimator: str, args: Args, device: torch.device) -> torch.Tensor:
-    """sum_t KL_it of each completion, between the distributions the sampler drew from and the reference (--kl-in
-    reward, losses.kl_in_reward): (B,), on the host."""
-    ro_dev = ro.to(device)
-    ref_logp = score_rows(lambda rows: rollout.completion_logprobs(  # PLUMBING: micro-batches, out-of-memory halving
-        ref_policy, ro_dev.input_ids[rows], ro_dev.attention_mask[rows], ro.completion_ids.shape[1], args.temperature),
-        torch.arange(len(ro.lengths), device=device), len(ro.lengths) // args.num_minibatches, args.micro_batch_size)
-    return losses.kl_in_reward(ro_dev.sampler_logp, ref_logp, ro_dev.completion_mask.float(), estimator).cpu()
+    control = {} if entropy_control is None else {"entropy/coef": entropy_control.coef}  # where the controller stands
+    return {**steps.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,7 +306,8 @@ def reward_kl(ref_policy, ro: rollout.Rollout, estimator: str, args: Args, devic
 
 
 def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptStream, cfg: LossConfig, args: Args,
-            gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None) -> tuple[Batch, dict]:
+            gen: torch.Generator, world: World = SINGLE, pi_old: str | None = None,
+            entropy_control: losses.AdaptiveEntropy | None = None) -> tuple[Batch, dict]:
     t0 = time.time()
     policy.eval()
     # ALGO: G completions per prompt, sampled with generate and scored by the rule-based verifier
@@ -318,18 +315,21 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
         batch, drawn_correct, drawn = dynamic_sampling(policy, tokenizer, stream, args, world)
     else:
         batch = sample_groups(policy, tokenizer, world.shard(stream.take(args.num_prompts)), args)
-        drawn_correct, drawn = correctness(batch, args.num_generations), args.num_prompts
+        drawn_correct, drawn = torch.tensor(batch.scores["correct"]).view(-1, args.num_generations), args.num_prompts
     policy.train()
     t1 = time.time()
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)
     if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
-        reward = reward - cfg.beta * reward_kl(ref_policy, batch.ro, cfg.kl_estimator, args, policy.device)
+        ref_logp = score_rollout(ref_policy, batch.ro, args.temperature, policy.device, args.micro_batch_size)
+        reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
+                                                         batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
     reward, lengths = world.gather_rows(reward, batch.ro.lengths)  # (B,) all ranks
     adv = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
     adv = world.shard(adv)  # (B_r,) this rank's rows
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
-    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old)
+    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old,
+                     entropy_control)
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
     metrics.update(logs.rollout_metrics(batch, adv, args.num_generations, drawn_correct, drawn,
@@ -366,7 +366,7 @@ def train(args: Args) -> dict:
             # ALGO: one RL step
             with failures(step):
                 _, metrics = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
-                                     run.stream, cfg, args, run.gen, world, pi_old)
+                                     run.stream, cfg, args, run.gen, world, pi_old, run.entropy_control)
             # PLUMBING: evaluation, logging, checkpoints, signals
             metrics["perf/elapsed_min"] = run.minutes()
             evaluated = step % args.eval_every == 0 or step == args.total_steps

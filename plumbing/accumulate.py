@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+import rollout
 from plumbing import lifecycle
 from plumbing.ddp import World
 
@@ -75,3 +76,13 @@ def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int, wo
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
     return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, world_size)
+
+
+def score_rollout(model, ro, temperature: float, device, micro_batch_size: int = 0) -> torch.Tensor:
+    """log pi(y_t) of every completion token of a rollout under `model`, without gradient, in micro-batches
+    (halved after an out-of-memory error): (B, T), on the host."""
+    on = ro.to(device)
+    rows = torch.arange(len(ro.lengths), device=device)
+    return score_rows(lambda r: rollout.completion_logprobs(model, on.input_ids[r], on.attention_mask[r],
+                                                            ro.completion_ids.shape[1], temperature),
+                      rows, len(rows), micro_batch_size).cpu()

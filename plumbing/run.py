@@ -98,6 +98,7 @@ def help_defaults() -> dict[str, str]:
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
             "resume": "(default: start a new run)", "wandb_group": "(default: none)",
             "rollout_correction_min": "(default: no lower bound)",
+            "entropy_target": "(default: off; a fixed --entropy-coef)",
             "eval_dataset": "(default: a split of --dataset)"}
 
 
@@ -189,6 +190,7 @@ class Run:
     first_step: int = 1
     minutes_before: float = 0.0
     sample: object = None  # train.sample, bound to this run's policy and flags: sample(rows, greedy) -> Batch
+    entropy_control: losses.AdaptiveEntropy | None = None  # --entropy-target's state, kept in checkpoints
     started: float = 0.0  # wall clock when the loop began
 
     def evaluate(self, step: int) -> tuple[dict, list]:
@@ -219,6 +221,7 @@ class Run:
                 "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
                 "wandb_id": self.logger.run.id, "before": self.before, "minutes": self.minutes(),
+                "entropy_control": None if self.entropy_control is None else vars(self.entropy_control),
             }, self.args.keep_checkpoints)
         self.world.barrier()
         return checkpoint.path_of(self.run_dir / "checkpoints", step)
@@ -291,9 +294,12 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                                      args.eval_samples, args.seed, step=0, world=world)
             logger.log(before, step=0)
         print(logs.eval_lines("before", before, None if state else shown, len(test_set)))
+    control = None if args.entropy_target is None else losses.AdaptiveEntropy(cfg.entropy_coef, args.entropy_target)
+    if control is not None and state and state.get("entropy_control"):  # a resumed run goes on where it stood
+        control = losses.AdaptiveEntropy(**{**state["entropy_control"], "window": (0.0, 0.0)})
     return Run(args, run_dir, world, policy, ref_policy, tokenizer, optimizer, scheduler, stream, gen, logger,
                train_set, test_set, before, first_step, minutes_before,
-               sample=functools.partial(sample, policy, tokenizer, args=args))
+               sample=functools.partial(sample, policy, tokenizer, args=args), entropy_control=control)
 
 
 def finish_run(run: Run, metrics: dict) -> dict:

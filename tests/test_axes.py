@@ -277,3 +277,66 @@ def test_cov_surrogates_end_to_end_with_their_fraction_logged(tmp_path, tiny_pol
     train.train(args)
     row = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][-1]
     assert 0 <= row["clip/cov_frac"] < 0.05 and row["losses/skipped_updates"] == 0
+
+
+@pytest.mark.usefixtures("float64")
+def test_adaptive_entropy_control_equals_trl_step_by_step():
+    """Four optimizer steps of TRL 1.16's use_adaptive_entropy (one micro-batch each, so every _compute_loss call
+    ends a step) against losses.AdaptiveEntropy: the same loss, gradient and coefficient at every step, with the
+    entropy crossing the target both ways."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from test_successors import T as T_TRL, batch as trl_batch
+
+    logp, old, adv, mask = trl_batch(0.3, seed=7)
+    target, coef0 = 0.9, 0.05
+    fake = SimpleNamespace(
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1, entropy_target=target,
+                             entropy_coef_delta=0.02, entropy_coef_min=0.0, entropy_coef_max=1.0),
+        loss_type="dapo", importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        aux_loss_enabled=False, current_gradient_accumulation_steps=1, max_completion_length=T_TRL,
+        model=SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, router_aux_loss_coef=0.0,
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t,
+                                    sync_gradients=True), beta=0.0, use_vllm=False,
+        _entropy_bonus_enabled=True, use_adaptive_entropy=True, entropy_coef=coef0, _last_world_entropy=float("inf"),
+        _entropy_window_stats=None, epsilon_low=0.2, epsilon_high=0.28)
+    control = losses.AdaptiveEntropy(coef0, target, delta=0.02)
+    cfg = replace(PRESETS["dapo"], beta=0.0)
+    for level in (0.5, 1.4, 0.3, 0.2):  # mean entropies below, above, below, below the target
+        entropy_of = lambda x, level=level: level * torch.sigmoid(x + 2.0) * 2  # noqa: E731
+        x = logp.clone().requires_grad_(True)
+        fake._get_per_token_logps_and_entropies = lambda *a, x=x, f=entropy_of, **k: (x, f(x), None)
+        inputs = {"prompt_ids": torch.zeros(6, 1, dtype=torch.long), "prompt_mask": torch.ones(6, 1, dtype=torch.long),
+                  "completion_ids": torch.zeros(6, T_TRL, dtype=torch.long), "completion_mask": mask,
+                  "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        theirs = GRPOTrainer._compute_loss(fake, None, inputs)
+        theirs.backward()
+        y = logp.clone().requires_grad_(True)
+        entropy = entropy_of(y)
+        mine = losses.policy_loss(y, old, adv, mask, StepNorm.of(mask, T_TRL),
+                                  replace(cfg, entropy_coef=control.applied()), entropy=entropy)
+        mine.backward()
+        control.observe(entropy.detach(), mask)
+        control.end_step()
+        assert mine.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-14)
+        assert torch.allclose(y.grad, x.grad, rtol=1e-10, atol=1e-14)
+        assert control.coef == pytest.approx(fake.entropy_coef, abs=1e-15)
+        assert control.last_entropy == pytest.approx(fake._last_world_entropy, rel=1e-12)
+    assert control.coef != coef0
+
+
+def test_adaptive_entropy_state_survives_a_resume(tmp_path, tiny_policy_dir):
+    """--entropy-target: a run stopped after step 1 and resumed logs what the uninterrupted run logs (the controller's
+    coefficient and last entropy are in the checkpoint)."""
+    common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "algo": "dapo", "entropy_target": 5.0,
+              "max_sampling_rounds": 30, "save_model": False}
+    train.train(train.Args(**{**common, "output_dir": str(tmp_path / "whole"), "total_steps": 2}))
+    train.train(train.Args(**{**common, "output_dir": str(tmp_path / "cut"), "total_steps": 1, "save_every": 1}))
+    (tmp_path / "cut" / "dapo-s0" / "summary.json").unlink()
+    train.train(train.Args(**{**common, "output_dir": str(tmp_path / "cut"), "total_steps": 2, "resume": "auto"}))
+    rows = [[json.loads(line) for line in (tmp_path / d / "dapo-s0" / "metrics.jsonl").open()] for d in ("whole", "cut")]
+    assert [r.get("entropy/coef") for r in rows[0]] == [r.get("entropy/coef") for r in rows[1]]
+    assert rows[0][-1]["entropy/coef"] > 0  # the controller moved
