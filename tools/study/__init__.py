@@ -35,4 +35,5 @@ from tools.study.data import (MISLOGGED, NAME, PER_RUN, STOPS, arm_runs, by_seed
 from tools.study.design import (CELLS, COMMON, EVAL_EVERY, LONG_STEPS, PROMPTS, RUN_ORDER, SEEDS, SMOLLM2_FLAGS,
                                 SMOLLM2_STEPS, STEPS, grid, with_models)
 from tools.study.report import README_BEGIN, README_END, readme_section, table, write_report
-from tools.study.stats import VERDICT_RULE, Estimate, estimate, fmt_est, level, paired, verdict
+from tools.study.stats import (VERDICT_RULE, Estimate, estimate, fmt_est, holm, level, p_value, paired, seed_drops,
+                               verdict, words)

@@ -15,7 +15,8 @@ from tools.study.data import (arm_runs, by_seed, clip_differs, collapsed, drift,
 from tools.study.design import CELLS, LONG_STEPS, SMOLLM2_STEPS
 from tools.study.figures import (ARM_LABELS, arms, headline, legend_below, save, pyplot, stability, style,
                                  two_panels, windows)
-from tools.study.stats import estimate, fmt_est, level, paired, pct, t_quantile, verdict
+from tools.study.stats import (estimate, fmt_est, holm, level, p_value, paired, pct, seed_drops, t_quantile,
+                               verdict, words)
 from tools.sweep import series
 
 @dataclass(frozen=True)
@@ -63,13 +64,13 @@ def beside(runs: list[dict], new: str, old: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 CLAIMS_1 = [
-    Claim("1-base", "1. ratio spread grows with length (seed note; GSPO §3-4), base",
+    Claim("1-base", "1. ratio spread grows like √|y| (seed note; GSPO §3-4), base",
           "GSPO §3-4; seed note 000",
           "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a over length quartiles (per run; mean over the seed's arms); "
           "GSPO's log s_i = Σ/|y| then goes as |y|^(a-1)",
           "base: the arms run at every seed, averaged per seed", 0.5,
           "mean |log ρ_t| over the update's tokens >= 1e-3 nats (ratios leave 1 at all)", unit="exponent"),
-    Claim("1-stale16", "1. ratio spread grows with length, stale16",
+    Claim("1-stale16", "1. ratio spread grows like √|y|, stale16",
           "GSPO §3-4; seed note 000",
           "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a (as above)",
           "stale16: the arms run at every seed, averaged per seed", 0.5,
@@ -414,6 +415,17 @@ def judge(runs: list[dict]) -> list[dict]:
 
     for _, analyse, _ in SECTIONS:
         analyse(runs, add)
+    # the family-wise reading: Holm over every test the table makes, and each verdict's dependence on single seeds
+    tested = [r["verdict"] not in ("not run", "not exercised") and r["estimate"].n >= 2 for r in rows]
+    nulls = [(-r["margin"] if r["margin"] is not None else 0.0, r["predicted"] if r["margin"] is None else None)
+             for r in rows]
+    pvalues = [p_value(r["estimate"], null) if ok and null is not None else math.nan
+               for r, ok, pair in zip(rows, tested, nulls) for null in pair]
+    adjusted = holm(pvalues)
+    for i, (r, ok) in enumerate(zip(rows, tested)):
+        p0, pp = adjusted[2 * i], adjusted[2 * i + 1]
+        r["holm"] = words(r["estimate"].mean, p0 < 0.05, pp < 0.05, r["predicted"], r["margin"]) if ok else r["verdict"]
+        r["seed_drop"] = seed_drops(r["estimate"], r["predicted"], r["exercised"], r["margin"]) if ok else 0
     return rows
 
 

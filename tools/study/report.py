@@ -30,23 +30,30 @@ def predicted_text(row: dict) -> str:
 
 
 def table(rows: list[dict], mde: bool = True) -> list[str]:
+    tests = sum(r["verdict"] not in ("not run", "not exercised") and r["estimate"].n >= 2 for r in rows) * 2
     lines = ["| claim | contrast | predicted | estimate [95% CI] (n) | " + ("MDE (80%) | " if mde else "")
-             + "manipulation check | verdict |", "|---|---|---|---|---|---|" + ("---|" if mde else "")]
+             + f"manipulation check | verdict | Holm ({tests} tests) | one seed dropped |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if mde else "")]
     for r in rows:
         e = r["estimate"]
         check = "n/a" if r["verdict"] == "not run" else f"{r['check']}: {'passed' if r['exercised'] else 'FAILED'}"
         unit = {c.key: c for c in CLAIMS}[r["key"]].unit
+        drops = ("n/a" if e.n < 3 or r["verdict"] in ("not run", "not exercised") else
+                 "holds" if not r["seed_drop"] else f"changes in {r['seed_drop']} of {e.n}")
         cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
             ([f"{e.mde:.2g}" if math.isfinite(e.mde) else "n/a"] if mde else []) + [check, f"**{r['verdict']}**" + (
-                f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else "")]
+                f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else ""),
+                r["holm"], drops]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
 
 
-def counts(rows: list[dict]) -> str:
-    words = ("reproduced", "contradicted", "inconclusive", "not exercised", "not run")
-    return ", ".join(f"{sum(r['verdict'] == w for r in rows)} {w}" for w in words
-                     if w != "not run" or any(r["verdict"] == w for r in rows))
+WORDS = ("reproduced", "smaller than predicted", "opposite", "predicted effect excluded, no effect not excluded",
+         "inconclusive", "non-inferior", "inferior", "not exercised", "not run")
+
+
+def counts(rows: list[dict], key: str = "verdict") -> str:
+    return ", ".join(f"{n} {w}" for w in WORDS if (n := sum(r[key] == w for r in rows)))
 
 
 def grid_runs(runs: list[dict]) -> list[dict]:
@@ -59,7 +66,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     runs = grid_runs(runs)
     lines = [README_BEGIN, "",
              f"{len(runs)} runs on `--dataset embedded-long` (correct answers of 20-295 tokens) with the embedded "
-             f"model, and for claim 5 also SmolLM2-135M-Instruct; {len(rows)} verdicts: {counts(rows)}. The verdict "
+             f"model, and for claim 5 also SmolLM2-135M-Instruct; {len(rows)} verdicts: {counts(rows)}; after Holm's "
+             f"correction over the table's tests: {counts(rows, 'holm')}. The verdict "
              "table with each prediction, estimate, interval and manipulation check, the smallest detectable effects "
              "and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
              "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
@@ -100,7 +108,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     for cell, (_, arms) in CELLS.items():
         lines.append(f"| {cell} | {regime_text(cell)} | "
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
-    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}.", ""] + table(rows)
+    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}. After Holm's correction: {counts(rows, 'holm')}.",
+              ""] + table(rows)
     lines += ["", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
     lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "

@@ -1,14 +1,20 @@
-"""The verdict rule, for every claim (written before the runs were read; CLAIMS holds each prediction):
+"""The verdict rule, for every claim (the words restate what the interval says; the registered predictions are CLAIMS'):
     The estimate is the mean over seeds of the paired difference (or of the per-seed value), with its 95% interval
     from Student's t with n - 1 degrees of freedom. The claim's effect is oriented so that the paper predicts a
     positive value, at least `predicted` (the paper's number, or "any effect above X" where the paper gives none).
-    not exercised   the manipulation check fails: the intervention did not change what it acts through
-    reproduced      the interval excludes 0 on the predicted side and reaches the predicted effect (lo > 0, hi >= predicted)
-    contradicted    the interval lies wholly below the predicted effect (hi < predicted)
-    inconclusive    neither; the report gives the smallest effect this n detects with 80% power,
-                    MDE = (t_0.975 + t_0.80) * sd / sqrt(n)
-    A claim of "as well as" is judged against a non-inferiority margin m: reproduced when lo > -m, contradicted when
+    Each verdict states two facts: is 0 excluded, and is the predicted effect excluded?
+    not exercised        the manipulation check fails: the intervention did not change what it acts through
+    reproduced           0 excluded on the predicted side, the predicted effect not excluded (lo > 0, hi >= predicted)
+    smaller than predicted   0 excluded on the predicted side and the predicted effect excluded (0 < lo, hi < predicted)
+    opposite             0 excluded on the other side (hi < 0)
+    predicted effect excluded, no effect not excluded   lo <= 0 <= hi < predicted
+    inconclusive         both 0 and the predicted effect inside the interval; the report gives the smallest effect
+                         this n detects with 80% power, MDE = (t_0.975 + t_0.80) * sd / sqrt(n)
+    A claim of "as well as" is judged against a non-inferiority margin m: non-inferior when lo > -m, inferior when
     hi < -m, else inconclusive. A claim whose arms (or whose manipulation check's arms) have no runs yet is "not run".
+    Beside each verdict: the same rule after Holm's correction over the family of every test the table makes (for
+    each exercised claim, "effect = 0" and "effect = predicted" (or "= -m"), two-sided t tests), and how many of the
+    n leave-one-seed-out estimates change the verdict.
 """
 
 from __future__ import annotations
@@ -63,13 +69,49 @@ def verdict(e: Estimate, predicted: float, exercised: bool, margin: float | None
         return "not exercised"
     if e.n < 2 or math.isnan(e.lo):
         return "inconclusive"
-    if margin is not None:  # "as well as": non-inferiority
-        return "reproduced" if e.lo > -margin else "contradicted" if e.hi < -margin else "inconclusive"
-    if e.lo > 0 and e.hi >= predicted:
-        return "reproduced"
-    if e.hi < predicted:
-        return "contradicted"
-    return "inconclusive"
+    return words(e.mean, e.lo > (-margin if margin is not None else 0) or e.hi < (-margin if margin is not None else 0),
+                 e.lo > predicted or e.hi < predicted, predicted, margin)
+
+
+def words(mean: float, zero_excluded: bool, predicted_excluded: bool, predicted: float,
+          margin: float | None = None) -> str:
+    """The verdict from which hypotheses the interval (or a corrected test) excludes; for a margin claim the first
+    flag is "-m excluded". The side is the estimate's."""
+    if margin is not None:
+        return ("non-inferior" if mean > -margin else "inferior") if zero_excluded else "inconclusive"
+    if zero_excluded and mean < 0:
+        return "opposite"
+    if zero_excluded:
+        return "smaller than predicted" if predicted_excluded and mean < predicted else "reproduced"
+    return "predicted effect excluded, no effect not excluded" if predicted_excluded and mean < predicted \
+        else "inconclusive"
+
+
+def p_value(e: Estimate, null: float) -> float:
+    """Two-sided one-sample t test of `null` for the seeds' mean."""
+    from scipy.stats import t
+
+    if e.n < 2 or not e.sd > 0:
+        return math.nan
+    return float(2 * t.sf(abs(e.mean - null) / (e.sd / math.sqrt(e.n)), e.n - 1))
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment (family-wise error): the k-th smallest of m p-values times (m - k + 1), made
+    monotone, capped at 1. NaN (no test) stays NaN and is not counted in m."""
+    tested = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
+    out, running = [math.nan] * len(pvalues), 0.0
+    for k, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, p * (len(tested) - k)))
+        out[i] = running
+    return out
+
+
+def seed_drops(e: Estimate, predicted: float, exercised: bool, margin: float | None = None) -> int:
+    """How many of the n leave-one-seed-out estimates give another verdict."""
+    base = verdict(e, predicted, exercised, margin)
+    return sum(verdict(estimate(e.values[:i] + e.values[i + 1:]), predicted, exercised, margin) != base
+               for i in range(e.n)) if e.n > 2 else 0
 
 
 def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
