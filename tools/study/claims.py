@@ -397,6 +397,14 @@ def figure_6_8(runs: list[dict], out: Path) -> dict:
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
             (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
+# The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
+# (claim 1 averages over every arm of its regime instead)
+CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-learn": ("base", "gspo", "grpo-b0"),
+                 "3-b0": ("stale16", "grpo-b0", "gspo"), "3-b0.04": ("stale16", "grpo", "gspo-b0.04"),
+                 "4-agg": ("base", "grpo-b0", "grpo-b0-sumnorm"), "4-agg-120": ("base120", "grpo-b0", "grpo-b0-sumnorm"),
+                 "5-entropy": ("stale16", "dapo", "dapo-eh0.2"), "5-smollm2": ("smollm2", "grpo-b0-eh0.28", "grpo-b0"),
+                 "6-cispo-learn": ("base", "cispo", "gspo"), "6-cispo-stale": ("stale16", "gspo", "cispo"),
+                 "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo")}
 
 
 def judge(runs: list[dict]) -> list[dict]:

