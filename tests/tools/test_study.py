@@ -190,6 +190,7 @@ def test_pack_and_load_keep_every_step(tmp_path):
     run.mkdir(parents=True)
     (run / "sweep.json").write_text('{"algo": "gspo", "seed": "3", "run_name": "base-gspo-s3"}')
     (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.25}\n{"step": 1, "clip/frac": 0.3}\n')
+    (run / "config.json").write_text('{"algo": "gspo", "epsilon": 0.0003}')  # the resolved config train.py wrote
     unfinished = tmp_path / "runs" / "base-grpo-b0-s3"
     shutil.copytree(run, unfinished)
     (run / "summary.json").write_text("{}")
@@ -198,6 +199,7 @@ def test_pack_and_load_keep_every_step(tmp_path):
     [loaded] = study.load(tmp_path / "data")
     assert (loaded["cell"], loaded["arm"], loaded["seed"], loaded["stopped"]) == ("base", "gspo", 3, None)
     assert loaded["rows"] == [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "clip/frac": 0.3}]
+    assert loaded["config"] == {"algo": "gspo", "epsilon": 0.0003}  # what the run actually ran, for the report
 
 
 def test_a_mislogged_metric_is_dropped_from_the_runs_that_logged_it_only(tmp_path, monkeypatch):

@@ -208,8 +208,10 @@ def analyse_3(runs: list[dict], add) -> None:
 def figure_3(runs: list[dict], out: Path) -> dict:
     return stability(runs, out, "claim3_stability", ("grpo-b0", "gspo", "grpo", "gspo-b0.04"), "stale16 (16 "
                      "minibatches per rollout), GRPO vs GSPO at β = 0 (solid) and β = 0.04 (dotted): accuracy as mean "
-                     "over seeds with its 95% t interval; right: each seed's drop from its peak, grey: the 20-point "
-                     "collapse line")
+                     "over seeds with its 95% t interval; right: the verdicts' paired differences, GRPO's drop from "
+                     "peak minus GSPO's, per seed, with their mean and 95% t interval, 0 (grey) and the prediction "
+                     "(purple)", contrasts=[("β = 0: GRPO - GSPO", "grpo-b0", "gspo", 0.10),
+                                            ("β = 0.04: GRPO - GSPO", "grpo", "gspo-b0.04", 0.10)])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -400,7 +402,11 @@ def analyse_6_8(runs: list[dict], add) -> None:
 def figure_6_8(runs: list[dict], out: Path) -> dict:
     return stability(runs, out, "claim6_8_successors", ("grpo-b0", "gspo", "cispo", "sapo", "gmpo"), "stale16, the "
                      "successors at their presets beside GRPO and GSPO, all at β = 0: accuracy as mean over seeds with "
-                     "its 95% t interval; right: each seed's drop from its peak, grey: the 20-point collapse line")
+                     "its 95% t interval; right: the verdicts' paired differences of the drop from peak per seed, with "
+                     "their mean and 95% t interval, 0 (grey) and the prediction or the non-inferiority margin's "
+                     "bound (purple)", contrasts=[("6b: GSPO - CISPO", "gspo", "cispo", -0.10),
+                                                  ("7: GRPO - SAPO", "grpo-b0", "sapo", 0.10),
+                                                  ("8: GRPO - GMPO", "grpo-b0", "gmpo", 0.10)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

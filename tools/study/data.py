@@ -35,7 +35,8 @@ def pack(runs_dir: Path, data_dir: Path) -> list[str]:
             continue  # still running, or interrupted: not a result yet
         flags = json.loads(flags_file.read_text())
         header = {"run": d.name, "cell": match["cell"], "arm": match["arm"], "algo": flags["algo"],
-                  "seed": int(flags["seed"]), "flags": flags, "stopped": stopped}
+                  "seed": int(flags["seed"]), "flags": flags, "stopped": stopped,
+                  "config": json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else None}
         sweep.write_jsonl_gz(out, [header] + (d / "metrics.jsonl").read_text().splitlines())
         new.append(d.name)
     return new

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tools import sweep
-from tools.study.data import arm_runs, peak_drop, run_mean, COLLAPSE_DROP
+from tools.study.data import arm_runs, peak_drop, run_mean
 from tools.study.stats import estimate, t_quantile
 from tools.sweep import ALGO_COLORS, series
 
@@ -37,8 +37,9 @@ def style(runs: list[dict]) -> dict:
             "label": ARM_LABELS[runs[0]["arm"]]}  # seeds per arm: in summary.md's arm table
 
 
-def band(ax, runs: list[dict], key: str, log: bool = False, marker: str | None = None) -> int:
-    """Mean over seeds and its 95% t interval at each step all runs logged (in log space when `log`)."""
+def band(ax, runs: list[dict], key: str, log: bool = False, marker: str | None = None, floor: float | None = None) -> int:
+    """Mean over seeds and its 95% t interval at each step all runs logged (in log space when `log`); `floor` bounds
+    the band below (a fraction's interval is cut at 0, not drawn into values it cannot take)."""
     curves = [dict(zip(*[a.tolist() for a in series(r, key)])) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if log:
@@ -52,7 +53,8 @@ def band(ax, runs: list[dict], key: str, log: bool = False, marker: str | None =
     back = np.exp if log else (lambda x: x)
     st = style(runs)
     ax.plot(steps, back(mean), marker=marker, ms=3, **st)
-    ax.fill_between(steps, back(mean - half), back(mean + half), color=st["color"], alpha=0.15, lw=0)
+    low = back(mean - half) if floor is None else np.maximum(back(mean - half), floor)
+    ax.fill_between(steps, low, back(mean + half), color=st["color"], alpha=0.15, lw=0)
     if log:
         ax.set_yscale("log")
     return len(steps)
@@ -128,7 +130,8 @@ def two_panels(runs: list[dict], out: Path, name: str, cell: str, names, panels,
     points = 0
     for rs in arms(runs, cell, names):
         for ax, (key, log, title, ylabel) in zip(axes, panels):
-            points += band(ax, runs_of(rs), key, log=log, marker="o" if key == "eval/accuracy" else None)
+            points += band(ax, runs_of(rs), key, log=log, marker="o" if key == "eval/accuracy" else None,
+                           floor=0.0 if key == "clip/differs" else None)  # a fraction: its band stops at 0
     for ax, (key, _, title, ylabel) in zip(axes, panels):
         ax.set(title=title, xlabel="RL step", ylabel=ylabel)
         if key == "clip/differs":  # the manipulation check's threshold
@@ -137,25 +140,33 @@ def two_panels(runs: list[dict], out: Path, name: str, cell: str, names, panels,
     return {name: (save(fig, out / f"{name}.png") and points, caption)}
 
 
-def stability(runs: list[dict], out: Path, name: str, names, caption: str) -> dict:
-    """stale16: accuracy bands per arm (left), each seed's drop from its peak with the arm's mean and CI (right)."""
+def stability(runs: list[dict], out: Path, name: str, names, caption: str, contrasts=()) -> dict:
+    """stale16: accuracy bands per arm (left); right, what each verdict uses: per contrast (label, arm a, arm b,
+    predicted), the paired difference of the drop from peak, drop(a) - drop(b), per seed (dots) with its mean and
+    95% t interval (square), beside 0 (grey) and the predicted effect (purple dashes)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    points, shown = 0, [a for a in names if arm_runs(runs, "stale16", a)]
-    for i, a in enumerate(shown):
-        rs = arm_runs(runs, "stale16", a)
-        points += band(axes[0], rs, "eval/accuracy", marker="o")
-        drops = [peak_drop(r) for r in rs]
-        e = estimate(drops)
-        st = style(rs)
-        axes[1].plot([i] * len(drops), drops, "o", color=st["color"], alpha=0.5, ms=4)
+    points = 0
+    for a in names:
+        if arm_runs(runs, "stale16", a):
+            points += band(axes[0], arm_runs(runs, "stale16", a), "eval/accuracy", marker="o")
+    shown = []
+    for label, a, b, predicted in contrasts:
+        drop = {arm: {r["seed"]: peak_drop(r) for r in arm_runs(runs, "stale16", arm)} for arm in (a, b)}
+        diffs = [drop[a][s] - drop[b][s] for s in sorted(set(drop[a]) & set(drop[b]))]
+        if not diffs:
+            continue
+        i, e = len(shown), estimate(diffs)
+        axes[1].plot([i] * len(diffs), diffs, "o", color="tab:gray", alpha=0.6, ms=4)
         axes[1].errorbar([i + 0.15], [e.mean], yerr=[[e.mean - e.lo], [e.hi - e.mean]] if e.n > 1 else None,
-                         fmt="s", color=st["color"], capsize=4)
-        points += len(drops)
-    axes[1].axhline(COLLAPSE_DROP, color="gray", ls=":", lw=1)
-    axes[1].set_xticks(range(len(shown)), [ARM_LABELS[a] for a in shown], fontsize=8)
+                         fmt="s", color="black", capsize=4)
+        axes[1].plot([i - 0.3, i + 0.4], [predicted] * 2, color="tab:purple", ls="--", lw=1.5)
+        shown.append(label)
+        points += len(diffs)
+    axes[1].axhline(0, color="gray", ls=":", lw=1)
+    axes[1].set_xticks(range(len(shown)), shown, fontsize=8)
     axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
-    axes[1].set(title="drop from peak: seeds (dots), mean and 95% t CI (squares)", ylabel="accuracy points",
-                ylim=(-0.05, 1.0))  # a drop lies in [0, 1]: a wide small-n interval is cut there, not the axis
+    axes[1].set(title="the verdicts' paired differences (drop from peak), 95% t CI",
+                ylabel="accuracy points")
     legend_below(fig, axes[:1])
     return {name: (save(fig, out / f"{name}.png") and points, caption)}

@@ -57,6 +57,19 @@ def counts(rows: list[dict], key: str = "verdict") -> str:
     return ", ".join(f"{n} {w}" for w in WORDS if (n := sum(r[key] == w for r in rows)))
 
 
+def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
+    """What two arms' runs differ in, read from the resolved config train.py wrote (packed since this was added);
+    None when a run predates it (the committed study's do: the report then resolves the flags as train.py does)."""
+    import losses
+
+    configs = [[r.get("config") for r in arm_runs(runs, cell, arm)] for arm in (a, b)]
+    if not all(configs) or any(c is None for cs in configs for c in cs):
+        return None
+    keys = [*losses.OBJECTIVE_FIELDS, "dynamic_sampling", "overlong_weight"]
+    first = [cs[0] for cs in configs]
+    return {k: (str(first[0][k]), str(first[1][k])) for k in keys if first[0][k] != first[1][k]}
+
+
 def grid_runs(runs: list[dict]) -> list[dict]:
     """The runs of the grid (probes aside)."""
     return [r for r in runs if r["cell"] in CELLS]
@@ -112,10 +125,13 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}. After Holm's correction: {counts(rows, 'holm')}.",
               ""] + table(rows)
     lines += ["", "## What each contrast changes", "",
-              "Every objective setting that differs between a contrast's two arms, as train.py resolves them (preset, "
-              "regime, overrides); a contrast that changes more than one setting cannot attribute its effect to one:", ""]
+              "Every objective setting that differs between a contrast's two arms: from the resolved config each run "
+              "wrote where the packed data holds it, else resolved from the flags as train.py does (preset, regime, "
+              "overrides; the committed runs predate packing the config). A contrast that changes more than one "
+              "setting cannot attribute its effect to one:", ""]
     for key, (cell, a, b) in CONTRAST_ARMS.items():
-        diff = changed(cell, a, b)
+        diff = packed_changes(runs, cell, a, b)
+        diff = changed(cell, a, b) if diff is None else diff
         lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}): {len(diff)} setting"
                      f"{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
     lines += ["", "## Beside each verdict", ""]
