@@ -242,6 +242,11 @@ def dual_clip(loss: Tensor, adv: Tensor, c: float) -> Tensor:
 COV_RATIO, CLIP_COV_LB, CLIP_COV_UB, KL_COV_COEF = 2e-4, 1.0, 5.0, 1.0  # verl's defaults for Clip-Cov and KL-Cov
 
 
+def cov_tokens(n: int) -> int:
+    """How many of n valid tokens the covariance rules act on: COV_RATIO of them, at least one (verl's), at most n."""
+    return min(max(int(n * COV_RATIO), 1), n)
+
+
 def token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     """Each token's centred covariance term (A_t - mean A)(log pi_t - mean log pi), means over the valid tokens: the
     entropy paper's (2505.22617) driver of entropy change; a few high-covariance tokens collapse entropy."""
@@ -261,7 +266,7 @@ def clip_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor
     chosen = torch.nonzero((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid)  # (k, 2)
     keep = torch.ones_like(logp)
     if len(chosen):
-        picked = chosen[torch.randperm(len(chosen), generator=generator)[:max(int(COV_RATIO * mask.sum().item()), 1)]]
+        picked = chosen[torch.randperm(len(chosen), generator=generator)[:cov_tokens(int(mask.sum().item()))]]
         keep[picked[:, 0], picked[:, 1]] = 0
     return torch.maximum(pg1, pg2) * keep
 
@@ -274,7 +279,7 @@ def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) 
     valid = mask > 0
     a, lp = adv.expand_as(logp)[valid].detach(), logp[valid].detach()
     cov = (a - a.mean()) * (lp - lp.mean())
-    top = torch.topk(cov, max(1, int(len(cov) * COV_RATIO))).indices
+    top = torch.topk(cov, cov_tokens(len(cov))).indices
     flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0][top]  # positions in (B * T)
     penalty = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
     penalty[flat] = 1.0
@@ -389,8 +394,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    return kl_estimate(logp, ref_logp, "k3")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) -> Tensor:
@@ -476,8 +480,7 @@ class AdaptiveEntropy:
     def after_step(self, records: list, mask: Tensor, quantile: float, total=lambda v: v) -> None:
         """Observe one optimizer step's micro-batches, records of (rows, log-probs, entropy), then end it."""
         for rows, _, entropy in records:
-            trained = mask[rows] if quantile >= 1.0 else mask[rows] * high_entropy_mask(entropy, mask[rows], quantile)
-            self.observe(entropy, trained)
+            self.observe(entropy, trained_tokens(entropy, mask[rows], quantile))
         self.end_step(total)
 
     def end_step(self, total=lambda v: v) -> None:
@@ -486,6 +489,11 @@ class AdaptiveEntropy:
         self.last_entropy, self.window = entropy_sum / max(count, 1.0), (0.0, 0.0)
         step = self.delta if self.last_entropy <= self.target else -self.delta
         self.coef = min(max(self.coef + step, self.low), self.high)
+
+
+def trained_tokens(entropy: Tensor | None, mask: Tensor, quantile: float) -> Tensor:
+    """The tokens the policy term trains on: every valid one, or with quantile < 1 the high-entropy ones."""
+    return mask if quantile >= 1.0 else mask * high_entropy_mask(entropy.detach(), mask, quantile)
 
 
 def policy_loss(
@@ -519,9 +527,8 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
     per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator)  # (B, T)
-    effective = mask  # the tokens the policy term trains on
+    effective = trained_tokens(entropy, mask, cfg.top_entropy_quantile)  # (B, T)
     if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
-        effective = mask * high_entropy_mask(entropy.detach(), mask, cfg.top_entropy_quantile)
         per_token = per_token * effective
     if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
         per_token = per_token * rollout_weight
@@ -580,13 +587,13 @@ def cov_fraction(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg:
     whichever tokens the draw picks."""
     n = int(mask.sum())
     if cfg.surrogate == "kl_cov":
-        return min(max(1, int(n * COV_RATIO)), n) / max(n, 1)
+        return cov_tokens(n) / max(n, 1)
     ratio = torch.exp(logp - old_logp)
     valid = mask > 0
     clipped = (-adv * torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high) > -adv * ratio) & valid
     cov = token_covariance(logp, adv, mask)
     candidates = int(((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid & ~clipped).sum())
-    return min(max(int(COV_RATIO * n), 1), candidates) / max(n, 1)
+    return min(cov_tokens(n), candidates) / max(n, 1)
 
 
 def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
@@ -603,7 +610,7 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
     gradient (f'(w) < 0.5), GMPO's clipped token log-ratios."""
     valid = mask > 0
     if cfg.surrogate == "kl_cov":  # no clip: the share of tokens it penalises
-        return min(max(1, int(valid.sum() * COV_RATIO)), int(valid.sum())) / max(int(valid.sum()), 1)
+        return cov_tokens(int(valid.sum())) / max(int(valid.sum()), 1)
     if cfg.surrogate == "cispo":
         rho = torch.exp(log_ratio)
         capped = ((rho < 1 - cfg.epsilon) | (rho > 1 + cfg.epsilon_high)) & valid

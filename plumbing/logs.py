@@ -143,8 +143,7 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
         masked = trained = weighted = 0.0
         for part, _, e in seen:  # per micro-batch, as the loss saw them
             valid = mask[part]
-            kept = valid * losses.high_entropy_mask(e, valid, cfg.top_entropy_quantile) \
-                if cfg.top_entropy_quantile < 1.0 else valid
+            kept = losses.trained_tokens(e, valid, cfg.top_entropy_quantile)
             masked, trained, weighted = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
                 weighted + float((e * kept).sum())
         masked, trained, weighted, tokens = world.sum([masked, trained, weighted, float(mask[rows].sum())])

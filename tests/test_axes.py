@@ -12,6 +12,7 @@ import losses
 import train
 from conftest import SMALL_ARGS
 from losses import PRESETS, StepNorm
+from test_estimators import verl_masked_mean
 
 
 def batch(seed, b=6, t=7):
@@ -202,10 +203,6 @@ def test_entropy_controls_end_to_end(tmp_path, tiny_policy_dir):
 
 
 # Clip-Cov and KL-Cov, as verl computes them (core_algos.compute_policy_loss_clip_cov / _kl_cov, token-mean)
-
-def verl_masked_mean(values, mask):
-    return (values * mask).sum() / mask.sum()
-
 
 def verl_clip_cov(old, logp, adv, mask, eps_low, eps_high, ratio_c=2e-4, lb=1.0, ub=5.0):
     ratio = torch.exp(logp - old)

@@ -21,13 +21,19 @@ def trl_grpo(rewards, g, scale):  # TRL 1.16, GRPOTrainer._generate_and_score_co
     return adv / (std + 1e-4) if scale != "none" else adv
 
 
-def verl_rloo(scores, index):  # verl compute_rloo_outcome_advantage, outcome reward per response
-    scores = scores.clone()
+def verl_group_means(scores, index):
+    """verl's per-prompt bookkeeping: prompt index -> its scores, and -> their mean (0 for a lone response)."""
     id2score, id2mean = defaultdict(list), {}
     for i in range(len(scores)):
         id2score[index[i]].append(scores[i])
     for idx in id2score:
         id2mean[idx] = torch.mean(torch.tensor(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    return id2score, id2mean
+
+
+def verl_rloo(scores, index):  # verl compute_rloo_outcome_advantage, outcome reward per response
+    scores = scores.clone()
+    id2score, id2mean = verl_group_means(scores, index)
     for i in range(len(scores)):
         n = len(id2score[index[i]])
         if n > 1:
@@ -41,11 +47,7 @@ def verl_masked_mean(values, mask):
 
 def verl_rpp_baseline(scores, index, mask):  # verl compute_reinforce_plus_plus_baseline_outcome_advantage
     scores = scores.clone()
-    id2score, id2mean = defaultdict(list), {}
-    for i in range(len(scores)):
-        id2score[index[i]].append(scores[i])
-    for idx in id2score:
-        id2mean[idx] = torch.mean(torch.tensor(id2score[idx])) if len(id2score[idx]) > 1 else torch.tensor(0.0)
+    _, id2mean = verl_group_means(scores, index)
     for i in range(len(scores)):
         scores[i] = scores[i] - id2mean[index[i]]
     tiled = scores.unsqueeze(-1).tile([1, mask.shape[1]]) * mask
