@@ -11,12 +11,10 @@ bookkeeping (plumbing/) that changes nothing learned.
 
 from __future__ import annotations
 
-import signal
-import sys
+from plumbing import early
 
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the libraries below load (seconds): one line, not an import traceback
-    signal.signal(signal.SIGINT, lambda *_: sys.exit("interrupted before start-up; nothing was written"))
+if __name__ == "__main__":
+    early.install()  # Ctrl-C while the libraries below load (seconds): one line, not an import traceback
 
 import time
 from dataclasses import dataclass, replace

@@ -170,7 +170,7 @@ def parse(cli, description: str, argv: list[str] | None):
         with contextlib.redirect_stderr(box):
             return tyro.cli(cli, description=description, args=argv)
     except SystemExit as e:
-        if e.code in (0, None) or isinstance(e.code, str):  # --help, or Ctrl-C's one line (train.py's handler)
+        if e.code in (0, None):  # --help
             raise
         message = box_message(box.getvalue()) or "could not parse the flags"
         choice = re.search(r"invalid choice '(.*?)' for argument '(--[\w-]+)'\. Expected one of \((.*)\)", message)
