@@ -97,7 +97,7 @@ def split(heldout: bool, long: bool = False) -> list[Problem]:
 
 
 def instruct_text(problem: Problem) -> str:
-    """The same problem phrased for an instruct model (used with --dataset embedded-instruct)."""
+    """The same problem phrased for an instruct model (--dataset embedded-instruct, embedded-long-instruct)."""
     n, d = problem
     return f"What is the remainder when {n} is divided by {d}?"
 

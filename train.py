@@ -50,7 +50,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     model: str = "embedded"
     """'embedded' (tiny Llama, warm-started offline), a hub id, a save_pretrained directory, or a .gguf file"""
     dataset: str = "embedded"
-    """embedded(-long, -instruct, -add), a JSONL/JSON/parquet/CSV file, a saved folder or a hub dataset"""
+    """embedded(-long, -instruct, -long-instruct, -add), a JSONL/JSON/parquet/CSV file, a saved folder or a hub dataset"""
 
     # rollout: P prompts x G completions
     total_steps: int | None = None

@@ -17,7 +17,7 @@ from plumbing import network
 from plumbing.ddp import SINGLE, World
 from tools import diagnostics
 
-EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long")  # the remainder task, in three forms
+EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long", "embedded-long-instruct")  # the remainder task
 
 
 class Logger:

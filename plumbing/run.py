@@ -28,7 +28,7 @@ from plumbing.logs import EMBEDDED_TASKS
 
 
 # Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
-DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKENS, total_steps=60),
+DATASET_DEFAULTS = {"embedded-long(-instruct)": dict(max_new_tokens=task.LONG_MAX_NEW_TOKENS, total_steps=60),
                     "*": dict(max_new_tokens=64, total_steps=100),
                     # a pretrained model on a file or hub dataset: room for a chain of thought (TRL 1.16's GRPOConfig: 512)
                     "a file or hub dataset with a pretrained --model": dict(max_new_tokens=256, total_steps=100)}
@@ -36,8 +36,8 @@ DATASET_DEFAULTS = {"embedded-long": dict(max_new_tokens=task.LONG_MAX_NEW_TOKEN
 
 def dataset_defaults(dataset: str, model: str) -> dict:
     """The defaults that depend on --dataset (the embedded model, whose context is 128 tokens, keeps 64 anywhere)."""
-    if dataset in DATASET_DEFAULTS:
-        return DATASET_DEFAULTS[dataset]
+    if dataset.startswith("embedded-long"):
+        return DATASET_DEFAULTS["embedded-long(-instruct)"]
     pretrained = not dataset.startswith("embedded") and model != "embedded"
     return DATASET_DEFAULTS["a file or hub dataset with a pretrained --model" if pretrained else "*"]
 
@@ -142,8 +142,8 @@ def load_data(args) -> tuple[list[task.Example], list[task.Example]]:
     if args.dataset == "embedded-add":
         train, test = task.addition_splits()
     elif args.dataset in EMBEDDED_TASKS:
-        train, test = task.default_splits(instruct=args.dataset == "embedded-instruct",
-                                          long=args.dataset == "embedded-long")
+        train, test = task.default_splits(instruct=args.dataset.endswith("instruct"),
+                                          long=args.dataset.startswith("embedded-long"))
     else:
         train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,
                                         split=not args.eval_dataset)

@@ -75,6 +75,17 @@ def test_defaults_follow_the_dataset():
     assert "task" not in models.warm_start_settings("embedded")  # the default recipe (and its cache key) unchanged
 
 
+def test_the_long_task_phrased_for_a_chat_model():
+    """--dataset embedded-long-instruct: the long task's problems and splits, asked as a chat model is asked."""
+    args, _ = runs.resolve(train.Args(dataset="embedded-long-instruct"))
+    assert args.max_new_tokens == task.LONG_MAX_NEW_TOKENS  # room for the working
+    train_set, test_set = runs.load_data(args)
+    long_train, long_test = task.default_splits(long=True)
+    assert [e.answer for e in train_set] == [e.answer for e in long_train] and len(test_set) == len(long_test) == 102
+    n, d = next(p for p in task.split(True, long=True))
+    assert test_set[0].prompt == f"What is the remainder when {n} is divided by {d}?"
+
+
 @pytest.mark.slow
 def test_warm_start_lands_in_the_accuracy_window():
     """The real long-task warm start (built once, ~3.6 min on 2 cores; cached): greedy held-out accuracy between 15%

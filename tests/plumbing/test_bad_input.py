@@ -523,7 +523,7 @@ def test_help_documents_every_flag(capsys):
     flat = " ".join(text.split())
     # a field whose default comes from --algo or --dataset shows the real default, not "(default: None)"
     assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003, cispo 1.0, sapo 0.2, gmpo 0.4)" in flat
-    assert "(default: 64; 360 for --dataset embedded-long; 256 for a file or hub dataset with a pretrained --model)" in flat
+    assert "(default: 64; 360 for --dataset embedded-long(-instruct); 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
 

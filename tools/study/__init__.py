@@ -6,15 +6,17 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Four cells (regimes); base120 is base run three times as long
-(claim 4's drift needs a horizon), smollm2 has its own model, task and horizon (SMOLLM2_FLAGS; a seed there is the
-same pretrained start, its sampling and prompt order):
+from the same policy, so contrasts are paired by seed. Five cells (regimes); base120 is base run three times as long
+(claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
+SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
     base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
     stale16   lr 5e-5, 16 minibatches per rollout (staler ratios, and 4x more  claims 1, 3, 5, 6b, 7, 8
               optimizer steps per rollout, each on fewer rows)
     base120   base for 120 RL steps, held-out accuracy every 60              claim 4 at the longer horizon
     smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
+    smollm2long  SmolLM2-135M-Instruct on embedded-long-instruct (its working  claims 1 and 2a on a real model
+              in prose, 10-300 tokens), T 1, lr 2e-5, 16 minibatches, 3 steps
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
@@ -24,6 +26,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
     base120:  grpo-b0, grpo-b0-sumnorm
     smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
+    smollm2long: grpo-b0, gspo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

@@ -13,6 +13,8 @@ from tools.study import COMMON, CELLS, SEEDS, grid, load, pack, with_models, wri
 class StudyArgs:
     seeds: tuple[int, ...] = SEEDS
     """which seeds to run"""
+    cells: tuple[str, ...] = tuple(CELLS)
+    """which cells (regimes) to run"""
     parallel: int = 2
     """runs at a time; each gets cores/parallel threads"""
     output_dir: str = "sweeps"
@@ -31,7 +33,11 @@ def main() -> None:
     args = tyro.cli(StudyArgs, description=study.__doc__)
     runs_dir, data_dir = Path(args.output_dir) / "study" / "runs", Path(args.data_dir)
     if not args.report_only:
-        sweep.run_grid(with_models(grid(tuple(CELLS), args.seeds)), "study", COMMON, runs_dir, args.parallel)
+        unknown = sorted(set(args.cells) - set(CELLS))
+        if unknown:
+            print(f"error: unknown cell {', '.join(unknown)}; the cells are {', '.join(CELLS)}", file=sys.stderr)
+            sys.exit(2)
+        sweep.run_grid(with_models(grid(args.cells, args.seeds)), "study", COMMON, runs_dir, args.parallel)
         print(f"packed {len(pack(runs_dir, data_dir))} new runs into {data_dir}")
     runs = load(data_dir)
     if not runs:

@@ -32,7 +32,7 @@ class Claim:
     unit: str = ""
 
 
-MANIPULATION = {"abs_log": 1e-3, "stale_x": 2.0, "length_x": 2.0, "clip_differs": 0.01}
+MANIPULATION = {"abs_log": 1e-3, "stale_x": 2.0, "length_x": 2.0, "clip_differs": 0.01, "length_decade": 10.0}
 
 
 def mean_of(d: dict) -> float:
@@ -75,6 +75,17 @@ CLAIMS_1 = [
           "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a (as above)",
           "stale16: the arms run at every seed, averaged per seed", 0.5,
           "mean |log ρ_t| >= 1e-3 nats", unit="exponent"),
+    # Registered before any smollm2long run (issue 38): the same estimand on a real model, SmolLM2-135M-Instruct
+    # writing its working in prose on the long remainder task, where the lengths come from the model, not from a
+    # task's fixed chains. Before it only a sampling pilot (no update: lengths 9-360 tokens, median 67) and a
+    # 1-step timing pilot of the GRPO arm (console line only: token clip fraction 0.047; its length-binned spread
+    # not read). The check adds that the lengths span a decade.
+    Claim("1-smollm2long", "1. ratio spread grows like √|y|, SmolLM2 writing its working (real model)",
+          "GSPO §3-4; seed note 000",
+          "exponent a of std_i(Σ_t log ρ_it) ∝ |y|^a over length quartiles (as above; per run, mean over the "
+          "seed's two arms)", "smollm2long: grpo-b0 and gspo, averaged per seed", 0.5,
+          "ratios move and lengths span a decade: mean |log ρ_t| >= 1e-3 nats, and the median over steps of the "
+          "batch's longest / shortest completion >= 10", unit="exponent"),
 ]
 
 
@@ -85,7 +96,7 @@ def analyse_1(runs: list[dict], add) -> None:
     # per regime: the exponent, per seed averaged over the registered arms the regime ran at every one of its seeds
     # (the same arms in each seed's mean; the runs of a seed share a warm start, so the seed is the unit); every
     # arm's own exponent beside it
-    for cell in ("base", "stale16"):
+    for cell in ("base", "stale16", "smollm2long"):
         seeds = {r["seed"] for r in runs if r["cell"] == cell}
         full = [a for a in CELLS[cell][1] if a not in SUCCESSORS
                 and {r["seed"] for r in arm_runs(runs, cell, a)} == seeds]
@@ -96,7 +107,11 @@ def analyse_1(runs: list[dict], add) -> None:
         moved = float(np.mean([run_mean(r, "ratio/abs_log_token") for r in mine] or [math.nan]))
         per_arm = "; ".join(f"{a} {level([length_exponent(r) for r in arm_runs(runs, cell, a)])}"
                             for a in CELLS[cell][1] if arm_runs(runs, cell, a))
-        add(f"1-{cell}", est, moved, f"mean |log ρ_t| {moved:.2g} nats", moved >= MANIPULATION["abs_log"],
+        span = float(np.median([length_spread(r) for r in mine] or [math.nan]))  # longest / shortest per batch
+        decade = cell != "smollm2long" or span >= MANIPULATION["length_decade"]  # registered for smollm2long only
+        add(f"1-{cell}", est, moved, f"mean |log ρ_t| {moved:.2g} nats" + (
+            f", longest/shortest completion per batch median {span:.0f}x" if cell == "smollm2long" else ""),
+            moved >= MANIPULATION["abs_log"] and decade,
             f"arms {', '.join(full)} (the registered ones run at every seed; the successors, added later, are not "
             f"in the estimand); log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5); each arm's own exponent: {per_arm}")
 
@@ -104,9 +119,9 @@ def analyse_1(runs: list[dict], add) -> None:
 def figure_1(runs: list[dict], out: Path) -> dict:
     """Spread of Σ_t log ρ_t against length, per regime."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     points = 0
-    for ax, cell in zip(axes, ("base", "stale16")):
+    for ax, cell in zip(axes, ("base", "stale16", "smollm2long")):
         for rs in arms(runs, cell, CELLS[cell][1]):
             xs, ys = [], []
             for q in range(1, 5):
@@ -127,7 +142,8 @@ def figure_1(runs: list[dict], out: Path) -> dict:
             x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
             y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
             ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
-        ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t",
+        ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t" + (
+               "\n(SmolLM2-135M-Instruct)" if cell == "smollm2long" else ""),
                xlabel="completion length |y| (tokens, quartile mean)")
     axes[0].set_ylabel("std (nats), geometric mean over seeds")
     legend_below(fig, axes)
@@ -145,6 +161,11 @@ CLAIMS_2 = [
           "log10 of the run-mean clip fraction (GSPO: sequences; GRPO: tokens)",
           "base: gspo - grpo-b0, paired by seed", 2.0,
           "GRPO clips some tokens at all: its clip fraction > 0 in every seed", unit="log10"),
+    # Registered with 1-smollm2long, before any of its runs: the same claim on the real model's long answers
+    Claim("2-clip-smollm2long", "2a. GSPO clips ~100x more units than GRPO, SmolLM2 writing its working",
+          "GSPO §5.2, Fig. 4", "log10 of the run-mean clip fraction (GSPO: sequences; GRPO: tokens)",
+          "smollm2long: gspo - grpo-b0, paired by seed", 2.0,
+          "GRPO clips some tokens at all: its clip fraction > 0 in every seed", unit="log10"),
     Claim("2-learn", "2b. ...and learns as well (GSPO §5.2)", "GSPO §5.2, Fig. 4",
           "final held-out accuracy (step 40)",
           "base: gspo - grpo-b0, paired by seed", 0.0,
@@ -153,16 +174,18 @@ CLAIMS_2 = [
 
 
 def analyse_2(runs: list[dict], add) -> None:
-    # base, GSPO vs GRPO at β = 0
+    # GSPO vs GRPO at β = 0: base, and SmolLM2's long answers
+    for key, cell in (("2-clip", "base"), ("2-clip-smollm2long", "smollm2long")):
+        clip = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+        ratio = paired({s: math.log10(v) for s, v in clip["gspo"].items() if v > 0},
+                       {s: math.log10(v) for s, v in clip["grpo-b0"].items() if v > 0})
+        grpo_clips = bool(clip["grpo-b0"]) and all(v > 0 for v in clip["grpo-b0"].values())
+        add(key, ratio, mean_of(clip["grpo-b0"]),
+            f"GRPO clip fraction {mean_of(clip['grpo-b0']):.2g} (> 0 in "
+            f"{sum(v > 0 for v in clip['grpo-b0'].values())} of {len(clip['grpo-b0'])} seeds)", grpo_clips,
+            f"GSPO {mean_of(clip['gspo']):.3g} of sequences vs GRPO {mean_of(clip['grpo-b0']):.2g} of tokens: "
+            f"{10 ** ratio.mean:.0f}x" if math.isfinite(ratio.mean) else "")
     clip = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
-    ratio = paired({s: math.log10(v) for s, v in clip["gspo"].items() if v > 0},
-                   {s: math.log10(v) for s, v in clip["grpo-b0"].items() if v > 0})
-    grpo_clips = bool(clip["grpo-b0"]) and all(v > 0 for v in clip["grpo-b0"].values())
-    add("2-clip", ratio, mean_of(clip["grpo-b0"]),
-        f"GRPO clip fraction {mean_of(clip['grpo-b0']):.2g} (> 0 in {sum(v > 0 for v in clip['grpo-b0'].values())}"
-        f" of {len(clip['grpo-b0'])} seeds)", grpo_clips,
-        f"GSPO {mean_of(clip['gspo']):.3g} of sequences vs GRPO {mean_of(clip['grpo-b0']):.2g} of tokens: "
-        f"{10 ** ratio.mean:.0f}x" if math.isfinite(ratio.mean) else "")
     acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("gspo", "grpo-b0")}
     more = [clip["gspo"][s] > clip["grpo-b0"][s] for s in set(clip["gspo"]) & set(clip["grpo-b0"])]
     add("2-learn", paired(acc["gspo"], acc["grpo-b0"]), float(np.mean(more)) if more else math.nan,
@@ -418,7 +441,8 @@ SECTIONS = [(CLAIMS_1, analyse_1, figure_1), (CLAIMS_2, analyse_2, figure_2), (C
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
-CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-learn": ("base", "gspo", "grpo-b0"),
+CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("smollm2long", "gspo", "grpo-b0"),
+                 "2-learn": ("base", "gspo", "grpo-b0"),
                  "3-b0": ("stale16", "grpo-b0", "gspo"), "3-b0.04": ("stale16", "grpo", "gspo-b0.04"),
                  "4-agg": ("base", "grpo-b0", "grpo-b0-sumnorm"), "4-agg-120": ("base120", "grpo-b0", "grpo-b0-sumnorm"),
                  "5-entropy": ("stale16", "dapo", "dapo-eh0.2"), "5-smollm2": ("smollm2", "grpo-b0-eh0.28", "grpo-b0"),

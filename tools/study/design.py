@@ -11,6 +11,14 @@ SMOLLM2_STEPS = 12
 SMOLLM2_FLAGS = {"dataset": "embedded-add", "answer_format": "last-number", "temperature": "0.7",
                  "max_new_tokens": "48", "num_prompts": "4", "num_generations": "8", "lr": "2e-5",
                  "total_steps": str(SMOLLM2_STEPS), "eval_every": str(SMOLLM2_STEPS), "eval_size": "32"}
+# The seed note's thesis on a real model (claims 1 and 2a, issue 38): SmolLM2-135M-Instruct working the long
+# remainder task in prose (its answers 10-300 tokens, a decade of lengths), at 16 minibatches so the ratios move.
+# A step takes ~4.7 run-minutes here at 1 thread (a timing pilot: 110 s to sample 32 completions, 170 s for the 16
+# updates), so 3 steps (~16 min a run, 10 runs within the issue's 200 run-minutes); each step gives 4 length quartiles.
+SMOLLM2_LONG_STEPS = 3
+SMOLLM2_LONG_FLAGS = {"dataset": "embedded-long-instruct", "answer_format": "last-number", "temperature": "1.0",
+                      "max_new_tokens": "300", "num_prompts": "4", "num_generations": "8", "lr": "2e-5",
+                      "total_steps": str(SMOLLM2_LONG_STEPS), "eval_every": str(SMOLLM2_LONG_STEPS), "eval_size": "8"}
 BASE_ARMS = {  # the base cell's arms; base120 runs two of them for longer
     "grpo-b0": ("grpo", {"beta": "0"}),
     "gspo": ("gspo", {}),
@@ -46,6 +54,11 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "grpo-b0-eh0.28": ("grpo", {"beta": "0", "epsilon_high": "0.28"}),
     }),
+    # Claims 1 and 2a on a real model (registered before any of its runs): the base cell's two ratio levels, both β 0
+    "smollm2long": ({"model": "smollm", "num_minibatches": "16", **SMOLLM2_LONG_FLAGS}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+    }),
 }
 SEEDS = (0, 1, 2, 3, 4)
 
@@ -67,6 +80,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     # of the embedded model, so more seeds cannot change that verdict)
     [("stale16", ("dapo", "dapo-eh0.2"), (1, 2, 3, 4))],
     [("base120", ("grpo-b0", "grpo-b0-sumnorm"), SEEDS)],  # claim 4 at 120 steps (~18 min a run on 1 thread)
+    [("smollm2long", ("grpo-b0", "gspo"), SEEDS)],  # claims 1 and 2a on SmolLM2 (~16 min a run on 1 thread)
 ]
 
 

@@ -80,7 +80,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     runs = grid_runs(runs)
     lines = [README_BEGIN, "",
              f"{len(runs)} runs on `--dataset embedded-long` (correct answers of 20-295 tokens) with the embedded "
-             f"model, and for claim 5 also SmolLM2-135M-Instruct; {len(rows)} verdicts: {counts(rows)}; after Holm's "
+             f"model, and SmolLM2-135M-Instruct for claim 5" + (" and for claims 1 and 2a (the long task in its own "
+             "words)" if any(r["cell"] == "smollm2long" for r in runs) else "") + f"; {len(rows)} verdicts: {counts(rows)}; after Holm's "
              f"correction over the table's tests: {counts(rows, 'holm')}. The verdict "
              "table with each prediction, estimate, interval and manipulation check, the smallest detectable effects "
              "and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
@@ -112,7 +113,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
              f"{len(grid)} runs{f' (and {probes} probe)' if probes == 1 else f' (and {probes} probes)' if probes else ''}: "
              f"{PROMPTS} prompts x 8 completions, {STEPS} RL steps, held-out accuracy every "
              f"{EVAL_EVERY} steps, `--dataset embedded-long` (base120: {LONG_STEPS} steps, held-out accuracy every "
-             f"{LONG_STEPS // 2}; the smollm2 cell: its own model, task and horizon, below); "
+             f"{LONG_STEPS // 2}; the smollm2 cells: their own model, task and horizon, below); "
              f"seeds {', '.join(map(str, sorted({r['seed'] for r in runs})))}.",
              f"Command: `python -m tools.study` (the runs, then this report); `python -m tools.study --report-only` rebuilds "
              f"this report from [data/](data/) (one gzipped JSONL per run). Cost: {minutes:.0f} run-minutes by the "
