@@ -255,13 +255,15 @@ def load_jsonl(path: str | Path, prompt_field: str = "", answer_field: str = "")
     first = next((row for _, row in rows if isinstance(row, dict)), {})
     pf = pick_field(list(first), prompt_field, PROMPT_FIELDS, "prompt", path) if first else prompt_field or "prompt"
     af = pick_field(list(first), answer_field, ANSWER_FIELDS, "answer", path) if first else answer_field or "answer"
-    return at_least_two([to_example(row, where, pf, af) for where, row in rows], path)
+    return not_empty([to_example(row, where, pf, af) for where, row in rows], path)
 
 
-def at_least_two(examples: list[Example], source) -> list[Example]:
-    if len(examples) < 2:
-        raise TaskError(f"dataset {source} has {len(examples)} row(s); it needs at least 2 (some are held out for "
-                        "evaluation)")
+EMPTY = "has 0 row(s); it needs at least 1 (2 when some are held out for evaluation)"
+
+
+def not_empty(examples: list[Example], source) -> list[Example]:
+    if not examples:
+        raise TaskError(f"dataset {source} {EMPTY}")
     return examples
 
 
@@ -271,11 +273,12 @@ def write_jsonl(path: str | Path, examples: list[Example]) -> None:
             f.write(json.dumps({"prompt": ex.prompt, "answer": ex.answer}) + "\n")
 
 
-def heldout_split(examples: list[Example], fraction: float = 0.1, max_heldout: int = 200) -> tuple[list, list]:
+def heldout_split(examples: list[Example], source, fraction: float = 0.1, max_heldout: int = 200) -> tuple[list, list]:
     """Split a loaded dataset into (train, held-out) by a hash of the prompt: stable across runs and seeds."""
     n = len(examples)
     if n < 2:
-        raise TaskError(f"a dataset needs at least 2 rows to hold some out for evaluation, it has {n}")
+        raise TaskError(f"dataset {source} has {n} row(s); it needs at least 2 (some are held out for evaluation), "
+                        "or pass your own held-out set with --eval-dataset")
     test = [ex for ex in examples if zlib.crc32(ex.prompt.encode()) % 1000 < fraction * 1000][:max_heldout]
     test = test or examples[-1:]
     test_ids = {id(ex) for ex in test}
@@ -296,9 +299,8 @@ def check_table(path: Path) -> None:
     else:
         with path.open("rb") as f:
             rows = sum(1 for line in f if line.strip()) - 1  # less the header line
-    if rows < 2:
-        raise TaskError(f"dataset {path} has {max(rows, 0)} row(s); it needs at least 2 (some are held out for "
-                        "evaluation)")
+    if rows < 1:
+        raise TaskError(f"dataset {path} {EMPTY}")
 
 
 def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "",
@@ -308,7 +310,7 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json", ".txt"):
         examples = load_jsonl(path, prompt_field, answer_field)
-        return heldout_split(examples) if split else (examples, [])
+        return heldout_split(examples, path) if split else (examples, [])
     if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise TaskError(f"dataset {path} is a folder; {ROWS_HINT} or a folder written by `datasets`' save_to_disk")
     looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
@@ -349,5 +351,5 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
     rows = lambda split: [to_example(r, f"{name} [{split}] row {i}", pf, af)  # noqa: E731
                           for i, r in enumerate(splits[split])]
     if "test" in splits and train_name != "test":
-        return at_least_two(rows(train_name), name), at_least_two(rows("test"), f"{name} [test]")
-    return heldout_split(at_least_two(rows(train_name), name)) if split else (rows(train_name), [])
+        return not_empty(rows(train_name), name), not_empty(rows("test"), f"{name} [test]")
+    return heldout_split(not_empty(rows(train_name), name), name) if split else (not_empty(rows(train_name), name), [])

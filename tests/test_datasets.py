@@ -121,3 +121,15 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
     assert "5 training" not in out and "40 training and 5 held-out problems" in out
     assert out.count("warning: only 5 held-out problems") == 1 and "--eval-dataset" in out
     assert "(5 problems)" in out and round(summary["accuracy_after"] * 5, 9) % 1 == 0  # scored on those 5
+
+
+def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
+    """--eval-dataset is not split, so one row is enough (a --dataset that is split needs two)."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
+                                                  for n in range(10, 20)))
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "50 mod 7 =", "answer": "1"}) + "\n")
+    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "one.jsonl")))[0]
+    tr, te = runs.load_data(args)
+    assert len(tr) == 10 and [(e.prompt, e.answer) for e in te] == [("50 mod 7 =", "1")]
+    with pytest.raises(task.TaskError, match="has 1 row"):
+        task.load_dataset(str(tmp_path / "one.jsonl"))  # split: nothing would be left to train on
