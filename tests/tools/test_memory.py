@@ -76,3 +76,35 @@ def test_memory_for_your_model_reads_its_config_alone(tmp_path, tiny_policy_dir)
     assert memory.shape_of(str(tiny_policy_dir)).params == sum(p.numel() for p in policy.parameters())
     out = memory.for_model(memory.MemoryArgs(model=str(tmp_path), num_prompts=2, num_generations=4, lora_rank=16))
     assert "LoRA r=16" in out and "adapter" in out and "peak" in out and out.count("rows per forward") == 3
+
+
+def test_the_entropy_bonus_keeps_one_more_float32_vocabulary_tensor_per_token():
+    """What autograd saves for rollout.token_logprobs's backward, counted by storage: the entropy with gradient (the
+    bonus) adds one float32 (T, V) tensor per row, the 4 bytes x V per completion token the estimate adds."""
+    import torch
+
+    import rollout
+    from tools import memory
+
+    rows, t, v = 2, 5, 300
+    logits = torch.randn(rows, t, v, requires_grad=True)
+    targets = torch.randint(0, v, (rows, t))
+
+    def saved_bytes(with_entropy):
+        seen = {}
+
+        def pack(x):
+            if x.is_floating_point() and x.numel() > 1:
+                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            rollout.token_logprobs(logits, targets, 1.0, with_entropy)
+        return sum(seen.values()) - logits.numel() * 4  # the input itself is not the function's to keep
+
+    extra = saved_bytes("grad") - saved_bytes(False)
+    assert extra == rows * t * v * 4
+    shape = memory.SMOLLM
+    with_bonus, without = (memory.estimate(shape, rows, 10, t, 0.0, False, bytes_per=4, entropy_bonus=b)["logits"]
+                           for b in (True, False))
+    assert with_bonus - without == rows * t * shape.vocab * 4
