@@ -118,6 +118,8 @@ def analyse_1(runs: list[dict], add) -> None:
 
 def figure_1(runs: list[dict], out: Path) -> dict:
     """Spread of Σ_t log ρ_t against length, per regime."""
+    from matplotlib.ticker import NullFormatter
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     points = 0
@@ -142,6 +144,7 @@ def figure_1(runs: list[dict], out: Path) -> dict:
             x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
             y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
             ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: the minor labels collide on a wide range
         ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t" + (
                "\n(SmolLM2-135M-Instruct)" if cell == "smollm2long" else ""),
                xlabel="completion length |y| (tokens, quartile mean)")
