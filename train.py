@@ -323,14 +323,14 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
     reward, lengths = world.gather_rows(reward, batch.ro.lengths)  # (B,) all ranks
-    adv = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
-    adv = world.shard(adv)  # (B_r,) this rank's rows
+    adv_all = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
+    adv = world.shard(adv_all)  # (B_r,) this rank's rows
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
     metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old,
                      entropy_control)
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
-    metrics.update(logs.rollout_metrics(batch, adv, args.num_generations, drawn_correct, drawn,
+    metrics.update(logs.rollout_metrics(batch, adv_all, args.num_generations, drawn_correct, drawn,
                                         drawn - args.num_prompts, world, args.mask_truncated))
     metrics.update(logs.timing(batch, t1 - t0, t2 - t1, scheduler.get_last_lr()[0], world))
     return batch, metrics

@@ -70,11 +70,12 @@ def eval_lines(when: str, m: dict, samples: list | None, n_problems: int) -> str
 
 def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tensor, drawn: int, dropped: int,
                     world: World = SINGLE, mask_truncated: bool = False) -> dict:
-    """Rewards, lengths and advantages of the whole rollout (every rank's rows), and the correctness of every group
-    drawn (drawn_correct: (groups, G), this rank's; with dynamic sampling, also the groups it dropped)."""
+    """Rewards, lengths and advantages of the whole rollout (every rank's rows; adv: (B,), already every rank's),
+    and the correctness of every group drawn (drawn_correct: (groups, G), this rank's; with dynamic sampling, also
+    the groups it dropped)."""
     correct_drawn = torch.cat(world.gather_rows(drawn_correct))  # (groups drawn, G) over all ranks
     scores = {k: [v for part in world.gather(batch.scores) for v in part[k]] for k in batch.scores}
-    lengths, truncated, adv = world.gather_rows(batch.ro.lengths.float(), batch.ro.truncated.float(), adv)
+    lengths, truncated = world.gather_rows(batch.ro.lengths.float(), batch.ro.truncated.float())
     reward = torch.tensor(scores["reward"])
     correct = torch.tensor(scores["correct"]).bool()
     m = {
