@@ -352,4 +352,5 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
                           for i, r in enumerate(splits[split])]
     if "test" in splits and train_name != "test":
         return not_empty(rows(train_name), name), not_empty(rows("test"), f"{name} [test]")
-    return heldout_split(not_empty(rows(train_name), name), name) if split else (not_empty(rows(train_name), name), [])
+    train = not_empty(rows(train_name), name)
+    return heldout_split(train, name) if split else (train, [])

@@ -17,7 +17,9 @@ from plumbing import network
 from plumbing.ddp import SINGLE, World
 from tools import diagnostics
 
-EMBEDDED_TASKS = ("embedded", "embedded-instruct", "embedded-long", "embedded-long-instruct")  # the remainder task
+# the remainder task in its four forms: --dataset name -> (phrased for a chat model, the long task)
+EMBEDDED_TASKS = {"embedded": (False, False), "embedded-instruct": (True, False), "embedded-long": (False, True),
+                  "embedded-long-instruct": (True, True)}
 
 
 class Logger:

@@ -36,7 +36,7 @@ DATASET_DEFAULTS = {"embedded-long(-instruct)": dict(max_new_tokens=task.LONG_MA
 
 def dataset_defaults(dataset: str, model: str) -> dict:
     """The defaults that depend on --dataset (the embedded model, whose context is 128 tokens, keeps 64 anywhere)."""
-    if dataset.startswith("embedded-long"):
+    if EMBEDDED_TASKS.get(dataset, (False, False))[1]:  # the long task, in either phrasing
         return DATASET_DEFAULTS["embedded-long(-instruct)"]
     pretrained = not dataset.startswith("embedded") and model != "embedded"
     return DATASET_DEFAULTS["a file or hub dataset with a pretrained --model" if pretrained else "*"]
@@ -142,8 +142,8 @@ def load_data(args) -> tuple[list[task.Example], list[task.Example]]:
     if args.dataset == "embedded-add":
         train, test = task.addition_splits()
     elif args.dataset in EMBEDDED_TASKS:
-        train, test = task.default_splits(instruct=args.dataset.endswith("instruct"),
-                                          long=args.dataset.startswith("embedded-long"))
+        instruct, long = EMBEDDED_TASKS[args.dataset]
+        train, test = task.default_splits(instruct=instruct, long=long)
     else:
         train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,
                                         split=not args.eval_dataset)

@@ -225,7 +225,8 @@ def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False, entro
                                          for beta in (0.0, 0.04)])
         for label, ckpt, rank, beta, bonus in setups:
             m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
-                            env=None if glibc_default else MMAP_THRESHOLD, extra=("--entropy-coef", "0.01") * bonus)
+                            env=None if glibc_default else MMAP_THRESHOLD,
+                            extra=("--entropy-coef", "0.01") if bonus else ())
             est = total(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
                                  bytes_per=4, entropy_bonus=bonus)) / GiB
             rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
@@ -292,7 +293,8 @@ def for_model(a: MemoryArgs) -> str:
     setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
         (" + gradient checkpointing" if a.gradient_checkpointing else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
-             f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} rows x {tokens} tokens "
+             f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} "
+             f"rows x {tokens} tokens "
              f"(--micro-batch-size 0: a whole minibatch)"]
     lines += [f"  {k:<12} {v / GiB:7.2f} GiB" for k, v in parts.items()]
     lines.append(f"  {'peak':<12} {total(parts) / GiB:7.2f} GiB (resident + the larger of the pi_old pass and the "

@@ -178,8 +178,10 @@ CLAIMS_2 = [
 
 def analyse_2(runs: list[dict], add) -> None:
     # GSPO vs GRPO at β = 0: base, and SmolLM2's long answers
+    clips = {cell: {a: by_seed(runs, cell, a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+             for cell in ("base", "smollm2long")}
     for key, cell in (("2-clip", "base"), ("2-clip-smollm2long", "smollm2long")):
-        clip = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+        clip = clips[cell]
         ratio = paired({s: math.log10(v) for s, v in clip["gspo"].items() if v > 0},
                        {s: math.log10(v) for s, v in clip["grpo-b0"].items() if v > 0})
         grpo_clips = bool(clip["grpo-b0"]) and all(v > 0 for v in clip["grpo-b0"].values())
@@ -188,7 +190,7 @@ def analyse_2(runs: list[dict], add) -> None:
             f"{sum(v > 0 for v in clip['grpo-b0'].values())} of {len(clip['grpo-b0'])} seeds)", grpo_clips,
             f"GSPO {mean_of(clip['gspo']):.3g} of sequences vs GRPO {mean_of(clip['grpo-b0']):.2g} of tokens: "
             f"{10 ** ratio.mean:.0f}x" if math.isfinite(ratio.mean) else "")
-    clip = {a: by_seed(runs, "base", a, lambda r: run_mean(r, "clip/frac")) for a in ("gspo", "grpo-b0")}
+    clip = clips["base"]
     acc = {a: by_seed(runs, "base", a, final_accuracy) for a in ("gspo", "grpo-b0")}
     more = [clip["gspo"][s] > clip["grpo-b0"][s] for s in set(clip["gspo"]) & set(clip["grpo-b0"])]
     add("2-learn", paired(acc["gspo"], acc["grpo-b0"]), float(np.mean(more)) if more else math.nan,
