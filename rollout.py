@@ -8,6 +8,7 @@ Two details decide whether the trainer sees the same distribution the sampler dr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -128,7 +129,7 @@ def format_prompt(tokenizer, prompt: str, answer_format: str = "tags", enable_th
     return prompt
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: autocast's weight cache is off there
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
              greedy: bool = False) -> Rollout:
     """One completion per prompt string (repeat a prompt G times to get a group).
@@ -141,10 +142,14 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     stops = model.generation_config.eos_token_id  # every id that ends a completion (model.prepare)
     sampling = {} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)  # the only processor: temperature
     recorder = None if greedy else SamplerLogprobs(temperature)
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
-                         logits_processor=[recorder] if recorder else None,
-                         return_dict_in_generate=True)
+    # bf16 (model.compute_in): one autocast region over every decode step, so autocast casts each fp32 weight to bf16
+    # once per rollout and keeps the copy, instead of once per token (the cache holds under no_grad only)
+    dtype = getattr(model, "autocast_dtype", None)
+    with torch.autocast(model.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
+                             logits_processor=[recorder] if recorder else None,
+                             return_dict_in_generate=True)
     completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
     mask, truncated = completion_mask(completion, stops)
     ro = Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)

@@ -469,3 +469,53 @@ def test_auto_dtype_takes_bf16_only_where_it_is_native(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert models.pick_dtype(torch.device("cuda")) == torch.bfloat16
     assert models.pick_dtype(torch.device("cpu")) == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation casts each weight once per rollout (issue 45.6)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def weight_casts(policy, fn) -> int:
+    """How many times autocast copies one of `policy`'s weight matrices while fn() runs (the profiler's
+    aten::_to_copy events whose input has a weight's shape)."""
+    from torch.profiler import profile
+
+    shapes = {str([list(p.shape)]) for p in policy.parameters() if p.dim() == 2}
+    with profile(record_shapes=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and str(e.input_shapes[:1]) in shapes)
+
+
+@pytest.mark.slow
+def test_bf16_generate_casts_each_weight_once_per_rollout_and_samples_the_same_tokens(tiny_policy_dir):
+    """Autocast entered around each forward under inference_mode cast every fp32 weight at every decode step (480
+    casts of the tests' 2-layer model's 15 matrices over 32 tokens). One autocast region under no_grad casts each once; the tokens and
+    the sampler's log-probs are the same bits."""
+    import model as models
+
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    matrices = sum(1 for p in policy.parameters() if p.dim() == 2)
+    prompts = ["7 mod 3 =", "47 mod 13 ="] * 2
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = models.compute_in(policy, dtype)
+        outs = {}
+        for path in ("per token", "one region"):
+            def sample():
+                torch.manual_seed(0)
+                if path == "per token":  # as before: inference_mode turns autocast's weight cache off
+                    with torch.inference_mode():
+                        outs[path] = rollout.generate(policy, tok, prompts, max_new_tokens=16)
+                else:
+                    outs[path] = rollout.generate(policy, tok, prompts, max_new_tokens=16)
+            casts = weight_casts(policy, sample)
+            steps = outs[path].completion_ids.shape[1]
+            if dtype == torch.float32:
+                assert casts == 0
+            elif path == "one region":
+                assert casts <= matrices, (casts, matrices)
+            else:
+                assert casts >= matrices * (steps - 1), (casts, matrices, steps)  # the planted old path is seen
+        a, b = outs["per token"], outs["one region"]
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampler_logp, b.sampler_logp)
+    assert steps > 8
