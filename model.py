@@ -77,6 +77,89 @@ def compute_dtype(model) -> torch.dtype:
     return getattr(model, "autocast_dtype", None) or model.dtype
 
 
+def frozen_reference(model):
+    """`model` (a copy of the starting policy) as the frozen reference of β > 0. Under bf16 autocast its linear layers
+    are stored in bf16, the copy autocast makes of them at every forward anyway: it scores bit for bit as the fp32
+    copy would, at 2 bytes per weight instead of 4 (embeddings, and a head tied to them, and norms stay fp32, as
+    autocast computes them)."""
+    model = model.eval().requires_grad_(False)
+    dtype = compute_dtype(model)
+    if dtype != torch.float32:
+        embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings:
+                m.to(dtype)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What stays on the device: refused before loading when it cannot fit
+# ---------------------------------------------------------------------------------------------------------------
+
+GiB = 2**30
+
+
+def resident_bytes(params: float, linear: float, compute_bytes: int, lora_params: float = 0.0,
+                   reference: bool = False) -> dict[str, float]:
+    """What a run keeps on its device whatever the batch, by part, in bytes (`linear`: the parameters of linear
+    layers not tied to the embeddings, which frozen_reference stores in the compute precision):
+        full fine-tune   fp32 weights (4 per parameter), autocast's copies of them while a forward's graph lives
+                         (compute_bytes each; none in fp32), fp32 gradients (4), AdamW's two fp32 moments (8)
+        LoRA             the base in the compute precision, and 16 bytes per adapter parameter (an fp32 weight, its
+                         gradient and two moments)
+        reference        β > 0, a full fine-tune: frozen_reference's copy (LoRA's reference is its base: free)"""
+    if lora_params:
+        return {"weights": params * compute_bytes, "adapter": lora_params * 16}
+    return {"weights": params * 4, "autocast copies": params * compute_bytes if compute_bytes < 4 else 0.0,
+            "gradients": params * 4, "AdamW moments": params * 8,
+            "reference": (params - linear) * 4 + linear * compute_bytes if reference else 0.0}
+
+
+def parameter_counts(name: str) -> tuple[int, int] | None:
+    """(all parameters, those of linear layers not tied to the embeddings) of a hub id, model folder or .gguf file,
+    from its config alone: the model is built on the meta device, no weight is read. None where the config cannot be
+    read (loading the model then says why)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source, kwargs = Path(name).expanduser(), {}
+    if name.endswith(".gguf"):
+        source, kwargs = source.parent, {"gguf_file": source.name}
+    elif not source.exists() and network.hub_offline():
+        kwargs = {"local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(str(source) if source.exists() else name, trust_remote_code=False, **kwargs)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception:  # any loader error: the real load names it
+        return None
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings
+                 for p in m.parameters())
+    return sum(p.numel() for p in model.parameters()), linear
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on the device now: CUDA's own count; None on a CPU or MPS (nothing is refused there)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, reference: bool) -> None:
+    """Before anything is loaded: a full fine-tune whose resident state (resident_bytes) is larger than the device's
+    free memory would fail at its first optimizer step, after the rollout and a checkpoint, whatever the batch."""
+    free = free_memory(device)
+    counts = None if free is None or name == "embedded" else parameter_counts(name)
+    if counts is None:
+        return
+    parts = resident_bytes(*counts, compute_bytes=torch.finfo(dtype).bits // 8, reference=reference)
+    need = sum(parts.values())
+    if need > free:
+        detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v)
+        raise ModelError(f"a full fine-tune of {name} ({counts[0] / 1e9:.2f}B parameters) keeps {need / GiB:.1f} GiB "
+                         f"on the device before any activation ({detail} GiB), and {device} has {free / GiB:.1f} GiB "
+                         "free: train LoRA adapters instead (--lora-rank 16, with --gradient-checkpointing for long "
+                         "completions), take a smaller model, or a device with more memory")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The embedded tokenizer and model
 # ---------------------------------------------------------------------------------------------------------------

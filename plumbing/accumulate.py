@@ -41,7 +41,8 @@ class Accumulator:
         self.records += records
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
         if math.isfinite(total) and torch.isfinite(grad_norm):
-            self.optimizer.step()
+            with lifecycle.optimizer_memory(self.policy, grad_norm.device):
+                self.optimizer.step()
             self.scheduler.step()
             self.losses.append(total)
             self.grad_norms.append(float(grad_norm))

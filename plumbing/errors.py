@@ -31,6 +31,10 @@ class OutOfMemory(UserError, RuntimeError):
     """The device ran out of memory even at one row per forward/backward, or while generating."""
 
 
+class OptimizerOutOfMemory(OutOfMemory):
+    """The optimizer step ran out of memory: the weights, gradients and AdamW state do not fit, whatever the batch."""
+
+
 class Interrupted(UserError, RuntimeError):
     """Ctrl-C or SIGTERM before the first step: nothing was kept."""
 

@@ -6,6 +6,7 @@ train.py calls these; none holds RL.
     NewRunFolder            the folder start-up made is removed again if start-up fails, so the command can rerun
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
     shrink_on_oom(...)      --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
+    optimizer_memory(...)   out of memory in the optimizer step: the sizes that do not fit, and no checkpoint
     StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
                             was saved; NonFiniteStreak stops a run whose updates are all non-finite
     NothingCorrect / TruncatedStreak   one warning each when the reward or the token budget looks wrong
@@ -13,6 +14,7 @@ train.py calls these; none holds RL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -23,7 +25,8 @@ import torch
 
 from plumbing import checkpoint
 from plumbing import flags
-from plumbing.errors import ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OutOfMemory
+from plumbing.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OptimizerOutOfMemory,
+                             OutOfMemory)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Before start-up: what can be checked without loading or writing
@@ -195,6 +198,29 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
+@contextlib.contextmanager
+def optimizer_memory(policy, device: torch.device):
+    """Around the optimizer step: running out of memory there (AdamW allocates its two moments at the first step) is
+    not a matter of batch size, and the step may have moved some moments already: one line with the sizes, and no
+    checkpoint of a step that did not happen (StepFailures)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        free_cached_memory()
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        params = list(policy.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        weights = sum(p.numel() * p.element_size() for p in params)
+        total = f" ({gib(torch.cuda.mem_get_info(device)[1])})" if device.type == "cuda" else ""
+        raise OptimizerOutOfMemory(
+            f"the weights ({gib(weights)}), their fp32 gradients ({gib(4 * trained)}) and AdamW's two moments "
+            f"({gib(8 * trained)} for {trained / 1e6:.1f}M trained parameters) do not fit on {device}{total} beside "
+            "the rest; fewer rows per forward do not help. Train LoRA adapters instead (--lora-rank 16), take a "
+            "smaller model, or a device with more memory") from None
+
+
 AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> micro-batch size that fits
 
 
@@ -246,6 +272,9 @@ class StepFailures:
             raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
                                        "or start again with --overwrite and more --num-generations or "
                                        "--no-dynamic-sampling") from None
+        if isinstance(exc, OptimizerOutOfMemory):  # nothing worth saving: resuming would meet it again
+            raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: {exc}; no "
+                                       "checkpoint of this step was written") from None
         if exc is not None and is_out_of_memory(exc):
             unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None

@@ -242,6 +242,9 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
                 flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
+            if not args.lora_rank:  # a full fine-tune whose weights and AdamW state cannot fit: refused before loading
+                device = models.pick_device(args.device)
+                models.refuse_what_cannot_fit(args.model, device, models.pick_dtype(device, args.dtype), cfg.beta > 0)
             policy, tokenizer = load_policy(args, resume_from / "model" if state and not args.lora_rank else None)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
@@ -252,9 +255,8 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         ref_policy = None
         if cfg.beta > 0 and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
-        elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint)
-            ref = load_policy(args)[0] if state else copy.deepcopy(policy)
-            ref_policy = ref.eval().requires_grad_(False)
+        elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
+            ref_policy = models.frozen_reference(load_policy(args)[0] if state else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()

@@ -19,6 +19,7 @@ from tools import diagnostics
 from plumbing import lifecycle
 import losses
 import rewards
+import rollout
 import train
 from losses import PRESETS, StepNorm
 
@@ -95,6 +96,87 @@ def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, 
     train.main(base + ["--resume", "auto", "--micro-batch-size", "4"])  # a smaller micro-batch may resume
     assert "resumed from" in capsys.readouterr().out
     assert json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["accuracy_after"] >= 0
+
+
+def test_a_full_fine_tune_that_cannot_fit_is_refused_before_loading(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    """Issue 45.4: weights, autocast copies, gradients and AdamW moments that are larger than the device's free
+    memory failed at the first optimizer step, after a checkpoint, with advice about batch sizes. Refused now before a
+    weight is read, with both numbers and what helps; the device's free memory is stated by a stand-in."""
+    import model as models
+
+    params, linear = models.parameter_counts(str(tiny_policy_dir))
+    need = sum(models.resident_bytes(params, linear, compute_bytes=2, reference=True).values())
+    assert need == params * 18 + (params - linear) * 4 + linear * 2
+    monkeypatch.setattr(models, "free_memory", lambda device: need - 1)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out"), "--dtype", "bfloat16",
+            "--algo", "grpo"] + SMALL
+    code, err = cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "out").exists(), err
+    assert f"keeps {need / 2**30:.1f} GiB" in err and f"has {(need - 1) / 2**30:.1f} GiB free" in err
+    assert "--lora-rank" in err and "smaller model" in err
+    monkeypatch.setattr(models, "free_memory", lambda device: need)  # it fits exactly: not refused by the check
+    with pytest.raises(BaseException, match="loaded a model"):
+        train.main(argv)
+
+
+def test_parameter_counts_are_read_from_the_config_alone(tmp_path):
+    """A Qwen2-shaped model (q/k/v biases, tied embeddings) and a Llama-shaped one with its own head."""
+    import model as models
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    for config in (Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+                   LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)):
+        model = AutoModelForCausalLM.from_config(config)
+        folder = tmp_path / config.model_type
+        config.save_pretrained(folder)  # the config alone: no weights in the folder
+        linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
+                     if not (config.tie_word_embeddings and m is model.lm_head))
+        assert models.parameter_counts(str(folder)) == (sum(p.numel() for p in model.parameters()), linear)
+    assert models.parameter_counts(str(tmp_path / "nothing-here")) is None
+
+
+def test_out_of_memory_in_the_optimizer_step_names_the_resident_state_and_saves_nothing(tmp_path, capsys,
+                                                                                       tiny_policy_dir, monkeypatch):
+    """Issue 45.4: AdamW allocates its moments at the first step; running out there was reported as a batch-size
+    problem and a checkpoint of the step it started from was written, which would only fail again."""
+    def no_room(self, *a, **kw):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 6291456 bytes")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", no_room)
+    code, err = cli(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "2"] + SMALL,
+                    capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "out of memory in the optimizer step of step 1" in err and "AdamW's two moments" in err
+    assert "--lora-rank" in err and "no checkpoint of this step was written" in err
+    assert "--micro-batch-size" not in err
+    assert not (tmp_path / "gspo-s0" / "checkpoints").exists()
+
+
+def test_the_bf16_reference_scores_bit_for_bit_as_an_fp32_copy_at_half_the_bytes(tiny_policy_dir):
+    """Issue 45.7: the reference of a full fine-tune only runs forwards under autocast, which casts its linear
+    weights to bf16 at every forward; stored in bf16 they give the same bits (embeddings and norms stay fp32)."""
+    import copy
+
+    import model as models
+
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    policy = models.compute_in(policy, torch.bfloat16)
+    ref = models.frozen_reference(copy.deepcopy(policy))
+    ids = torch.randint(5, len(tok), (4, 20))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        a = rollout.completion_logprobs(policy, ids, mask, 12)
+        b = rollout.completion_logprobs(ref, ids, mask, 12)
+    assert torch.equal(a, b)
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    params, linear = models.parameter_counts(str(tiny_policy_dir))
+    assert size(ref) == (params - linear) * 4 + linear * 2 < size(policy)
+    assert not any(p.requires_grad for p in ref.parameters())
+    fp32 = models.frozen_reference(models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0])
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}  # in fp32 the reference is a plain copy
 
 
 # ---------------------------------------------------------------------------------------------------------------
