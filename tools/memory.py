@@ -9,29 +9,31 @@
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
-A step holds, besides the CUDA context and the allocator's slack (not counted):
-    weights         4 bytes per parameter: a full fine-tune keeps fp32 weights and computes under bf16 autocast
-                    (model.compute_in), plus 2 bytes per parameter for autocast's bf16 copies during a forward
-    gradients       4 bytes per trained parameter (fp32)
-    AdamW state     8 bytes per trained parameter (two fp32 moments)
-    LoRA            the base in bf16 (2 bytes per parameter, no copies), and 16 bytes per adapter parameter: peft
-                    keeps adapters in float32 (weight, gradient and two moments, 4 bytes each)
-    reference copy  4 bytes per parameter when β > 0 and the whole model trains (a frozen fp32 copy; LoRA: the base,
-                    adapter off, is free)
-    activations     what one micro-batch's forward keeps for its backward: per token and layer the saved inputs of
-                    the attention block (~7 h + 2 kv: norm in/out, q, k, v, attention out, o_proj in; SDPA keeps no
-                    T x T matrix) and of the SwiGLU MLP (~4 i: gate, up, their activation and product), in bf16;
-                    with gradient checkpointing only each layer's input (h) plus one layer recomputed at a time
-    logits          per completion token, the vocabulary's logits in bf16 and their float32 copy that log-softmax
-                    keeps for the backward (~6 bytes x V): train.py keeps only completion positions (logits_to_keep)
-    entropy bonus   with --entropy-coef > 0 or --entropy-target, the entropy's backward also keeps the softmax (a
-                    second float32 copy, 4 bytes x V per completion token)
-    pi_old pass     when π_old is recomputed (always in bf16) and for the reference: one micro-batch's logits in
-                    bf16 without gradient, plus one row's float32 temporaries (rollout.token_logprobs goes row by
-                    row); it comes before the update, so the peak is the larger of it and the update's micro-batch
-The estimate is for one forward/backward of `rows` rows of `tokens` tokens (prompt + completion); --micro-batch-size
-sets rows (0: the whole minibatch, P x G / --num-minibatches, halved after each out-of-memory error), and memory falls
-with it. Generation (KV cache, inference mode) is smaller than the update's peak here.
+A step holds, besides the CUDA context and the allocator's slack (not counted), in three phases whose largest is the
+peak (`total`):
+    resident        model.resident_bytes: fp32 weights (4 bytes per parameter), autocast's bf16 copies while a
+                    forward's graph lives (2), fp32 gradients (4), AdamW's two moments (8), and with β > 0 the
+                    reference (model.frozen_reference: linear layers in bf16, embeddings and norms fp32); LoRA: the
+                    base in bf16 (2) and 16 bytes per adapter parameter (fp32 weight, gradient, two moments)
+    activations     what one micro-batch's forward keeps for its backward, counted from what autograd saves (torch
+                    2.13, transformers 5.x, a Qwen2/Llama layer with SDPA; `tests/tools/test_memory.py` counts it):
+                    per token and layer, ACTS below: under bf16 autocast the residual stream and both RMSNorms'
+                    inputs and outputs are fp32, and the norm's output is cast to bf16 once for each projection that
+                    reads it; with gradient checkpointing, each layer's input (4 bytes x h; 2 for LoRA's bf16 base)
+                    plus one layer's full set while it is recomputed
+    logits          the completion positions' logits (train.py keeps only those) in the compute precision and their
+                    fp32 copies kept for the log-softmax's backward, 4 + c bytes per entry (c: 2 in bf16, 4 in
+                    fp32), or early in the backward (4 rows + 16 of one row); +4 per entry with an entropy bonus (the
+                    softmax its backward keeps) -- measured on a CPU: LOGITS below
+    π_old pass      when π_old is recomputed, and the reference's pass: one micro-batch's logits without gradient (c
+                    bytes per entry) and one row's two fp32 temporaries (rollout.token_logprobs goes row by row)
+    optimizer step  weights, gradients and moments, and AdamW's temporaries: none for the fused AdamW on a GPU
+                    (train.py uses it there); on a CPU two of the largest weight's size (the per-tensor AdamW)
+The update's phase counts the gradients whole: true from a step's second micro-batch on; with one micro-batch per
+step the first backward allocates them as it frees activations, and the peak can be lower by up to 4 bytes per
+trained parameter. The estimate is for one forward/backward of `rows` rows of `tokens` tokens (prompt + completion);
+--micro-batch-size sets rows (0: the whole minibatch, P x G / --num-minibatches, halved after each out-of-memory
+error), and memory falls with it. Generation (KV cache, no gradient) is smaller than the update's peak here.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import model as models
 
 GiB = 2**30
 
@@ -53,50 +57,89 @@ class Shape:
     intermediate: int  # i, the MLP's width
     kv: int  # key/value width: kv heads x head size
     vocab: int
+    heads: int  # attention heads
+    q: int  # query width: heads x head size (h for most models; Qwen3 differs)
+
+    @property
+    def linear(self) -> float:
+        """Parameters of linear layers not tied to the embeddings (all but the embeddings and the norms)."""
+        return self.params - self.vocab * self.hidden
 
 
 # Qwen2.5 instruct models (their config.json: hidden_size, intermediate_size, num_hidden_layers, num_key_value_heads x
-# head size, vocab_size; parameters as the model card gives them)
-QWEN = [Shape("Qwen2.5-0.5B", 0.49e9, 24, 896, 4864, 128, 151936),
-        Shape("Qwen2.5-1.5B", 1.54e9, 28, 1536, 8960, 256, 151936),
-        Shape("Qwen2.5-3B", 3.09e9, 36, 2048, 11008, 256, 151936)]
+# head size, vocab_size, num_attention_heads; parameters as the model card gives them)
+QWEN = [Shape("Qwen2.5-0.5B", 0.49e9, 24, 896, 4864, 128, 151936, 14, 896),
+        Shape("Qwen2.5-1.5B", 1.54e9, 28, 1536, 8960, 256, 151936, 12, 1536),
+        Shape("Qwen2.5-3B", 3.09e9, 36, 2048, 11008, 256, 151936, 16, 2048)]
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # model.LORA_TARGETS, without the _proj suffix
+
+# Bytes autograd saves per token and layer, as coefficients of (h, q, kv, i), plus 4 per head (SDPA's log-sum-exp)
+# and 8; LoRA adds c bytes x r per adapted projection. Counted by storage with saved_tensors_hooks on Qwen2 layers of
+# seven shapes (the fit is exact); keyed by (LoRA?, compute bytes c).
+ACTS = {(False, 2): (26, 4, 4, 8), (False, 4): (24, 8, 8, 16), (True, 2): (18, 6, 4, 8), (True, 4): (16, 8, 8, 16)}
+OUTSIDE_LAYERS = {(False, 2): 8, (False, 4): 12, (True, 2): 0, (True, 4): 0}  # x h per token: embeddings, final norm
+# The log-prob path's peak per vocabulary entry of the completion tokens: max(a x rows + b, a2 x rows + b2) x T x V,
+# keyed by (compute bytes c, entropy bonus?). Measured on a CPU (peak RSS of rollout.completion_logprobs's forward and
+# backward over a 151,936-token vocabulary, 1-16 rows): the first term is the forward's end (the logits and their
+# fp32 copies), the second the backward's start, which one row's temporaries dominate at few rows.
+LOGITS = {(2, False): (6, 4, 4, 16), (4, False): (8, 4, 4, 16), (2, True): (10, 4, 8, 13), (4, True): (12, 4, 8, 12)}
 
 
 def lora_params(s: Shape, rank: int) -> float:
     """r x (in + out) per adapted projection, over every layer."""
-    shapes = {"q": (s.hidden, s.hidden), "k": (s.hidden, s.kv), "v": (s.hidden, s.kv), "o": (s.hidden, s.hidden),
+    shapes = {"q": (s.hidden, s.q), "k": (s.hidden, s.kv), "v": (s.hidden, s.kv), "o": (s.q, s.hidden),
               "gate": (s.hidden, s.intermediate), "up": (s.hidden, s.intermediate), "down": (s.intermediate, s.hidden)}
     return s.layers * sum(rank * (a + b) for a, b in (shapes[p] for p in PROJECTIONS))
 
 
+def activations(s: Shape, rows: int, tokens: int, compute_bytes: int, lora_rank: int, checkpointing: bool) -> float:
+    """What one micro-batch's forward keeps for its backward (ACTS), bytes."""
+    a_h, a_q, a_kv, a_i = ACTS[(bool(lora_rank), compute_bytes)]
+    layer = a_h * s.hidden + a_q * s.q + a_kv * s.kv + a_i * s.intermediate + 4 * s.heads + 8 \
+        + compute_bytes * lora_rank * len(PROJECTIONS)
+    outside = OUTSIDE_LAYERS[(bool(lora_rank), compute_bytes)] * s.hidden
+    if checkpointing:  # each layer's input, in the residual stream's precision, and one layer recomputed
+        residual = compute_bytes if lora_rank else 4
+        return rows * tokens * (s.layers * residual * s.hidden + layer + outside)
+    return rows * tokens * (s.layers * layer + outside)
+
+
 def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool, lora_rank: int = 0,
-             bytes_per: int = 2, entropy_bonus: bool = False) -> dict[str, float]:
-    """Bytes of each part of one update step (see the module docstring). `bytes_per`: the compute precision (2:
-    bf16 autocast over fp32 weights; 4: fp32 throughout, as on this project's CPUs)."""
-    per_layer = (7 * s.hidden + 2 * s.kv + 4 * s.intermediate) * bytes_per  # per token
-    if checkpointing:
-        acts = rows * tokens * (s.layers * s.hidden * bytes_per + per_layer)
-    else:
-        acts = rows * tokens * s.layers * per_layer
-    copies = s.params * bytes_per if bytes_per < 4 else 0.0  # autocast's low-precision weight copies
-    if lora_rank:
-        resident = {"weights": s.params * bytes_per, "adapter": lora_params(s, lora_rank) * 16}
-    else:
-        resident = {"weights": s.params * 4 + copies, "gradients": s.params * 4, "adamw": s.params * 8}
-    return {**resident, "reference": s.params * 4 if beta > 0 and not lora_rank else 0.0, "activations": acts,
-            "logits": rows * completion * s.vocab * (bytes_per + 4 + 4 * entropy_bonus),
-            "pi_old pass": rows * completion * s.vocab * bytes_per + 3 * completion * s.vocab * 4}
+             compute_bytes: int = 2, entropy_bonus: bool = False, device: str = "cuda") -> dict[str, float]:
+    """Bytes of each part of one update step (see the module docstring). `compute_bytes`: the compute precision (2:
+    bf16 autocast over fp32 weights; 4: fp32 throughout, as on this project's CPUs). `device`: cuda (the fused
+    AdamW) or cpu (the per-tensor AdamW's temporaries)."""
+    resident = models.resident_bytes(s.params, s.linear, compute_bytes, lora_params(s, lora_rank) if lora_rank else 0.0,
+                                     reference=beta > 0)
+    a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
+    largest = lora_params(s, lora_rank) / (s.layers * len(PROJECTIONS)) if lora_rank else s.vocab * s.hidden
+    return {**resident,
+            "activations": activations(s, rows, tokens, compute_bytes, lora_rank, checkpointing),
+            "logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
+            "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8),
+            "optimizer step": 0.0 if device == "cuda" else 2 * 4 * largest}
+
+
+PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, and the transients here)
+    "update": ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter", "activations",
+               "logits"),
+    "optimizer step": ("weights", "gradients", "AdamW moments", "reference", "adapter", "optimizer step"),
+    "pi_old pass": ("weights", "AdamW moments", "reference", "adapter", "pi_old pass"),
+}
+
+
+def phases(e: dict[str, float]) -> dict[str, float]:
+    return {name: sum(e.get(k, 0.0) for k in parts) for name, parts in PHASES.items()}
 
 
 def total(e: dict[str, float]) -> float:
-    """The step's peak: what stays resident, plus the larger of the pi_old pass and the update's micro-batch."""
-    transient = max(e["pi_old pass"], e["activations"] + e["logits"])
-    return sum(v for k, v in e.items() if k not in ("pi_old pass", "activations", "logits")) + transient
+    """The step's peak: the largest of its phases."""
+    return max(phases(e).values())
 
 
 SETUPS = [("full fine-tune", False, 0), ("+ gradient checkpointing", True, 0), ("LoRA r=16", False, 16),
           ("LoRA r=16 + checkpointing", True, 16)]
+MARGIN = 0.10  # of a card left to the CUDA context, the allocator's cache and the estimate's own error
 
 
 def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
@@ -112,149 +155,215 @@ def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
     return "\n".join(lines)
 
 
-CARDS = (24, 48, 80)  # GB of the usual single cards (a 24 GB card holds 22.4 GiB)
+CARDS = (24, 48, 80)  # the usual single cards, in GiB as their makers count (an "80 GB" A100 holds 80 GiB)
+
+
+def rows_that_fit(s: Shape, card: float, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool,
+                  lora_rank: int = 0, compute_bytes: int = 2, entropy_bonus: bool = False) -> int:
+    """What --micro-batch-size 0 lands on after halving from `rows` (rows, rows/2, ..., 1) on a card of `card` GiB
+    with MARGIN left free; 0 when even one row does not fit."""
+    while rows >= 1 and total(estimate(s, rows, tokens, completion, beta, checkpointing, lora_rank, compute_bytes,
+                                       entropy_bonus)) > (1 - MARGIN) * card * GiB:
+        rows //= 2
+    return rows
 
 
 def fits_table(minibatch: int = 32, prompt: int = 150, completion: int = 256, beta: float = 0.0) -> str:
     """At the defaults (16 prompts x 8 completions, 4 minibatches: 32 rows per optimizer step, 256 new tokens), the
-    rows per forward that fit on each card: what --micro-batch-size 0 lands on after halving (32, 16, ..., 1), or
-    "no" when even one row does not fit; 10% of each card is left to the CUDA context and allocator slack."""
+    rows per forward that fit on each card (rows_that_fit), or "no" when even one row does not fit."""
     lines = [f"| bf16, β={beta}, {minibatch} rows per optimizer step x {prompt + completion} tokens | "
-             + " | ".join(f"{s.name} on {' / '.join(str(c) for c in CARDS)} GB" for s in QWEN[:2]) + " |",
+             + " | ".join(f"{s.name} on {' / '.join(str(c) for c in CARDS)} GiB" for s in QWEN[:2]) + " |",
              "|---|" + "---|" * 2]
     for label, ckpt, rank in SETUPS:
-        cells = []
-        for s in QWEN[:2]:
-            fit = []
-            for card in CARDS:
-                rows = minibatch
-                while rows >= 1 and total(estimate(s, rows, prompt + completion, completion, beta, ckpt,
-                                                   rank)) > 0.9 * card * 1e9:
-                    rows //= 2
-                fit.append(str(rows) if rows >= 1 else "no")
-            cells.append(" / ".join(fit) + " rows")
+        cells = [" / ".join(str(rows_that_fit(s, card, minibatch, prompt + completion, completion, beta, ckpt, rank)
+                                or "no") for card in CARDS) + " rows" for s in QWEN[:2]]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The check: the same set-ups measured on this CPU with SmolLM2-135M-Instruct (fp32), one train.py process each
+# The check: one update of a Qwen2.5-shaped model (random weights, its real vocabulary), measured
 # ---------------------------------------------------------------------------------------------------------------
 
-# SmolLM2-135M's config.json: 30 layers, hidden 576, MLP 1536, 3 kv heads x 64, vocab 49152, tied embeddings
-SMOLLM = Shape("SmolLM2-135M", 134.5e6, 30, 576, 1536, 192, 49152)
-# Word problems that SmolLM2 answers at length, so that most rollouts reach the 256-token budget and the update's
-# activations are those of long completions (the reason for checkpointing and LoRA)
-WORDY = [("A baker makes {a} trays of {b} rolls and sells {c} rolls. How many rolls are left? Explain every step of "
-          "your reasoning in detail before giving the answer.", lambda a, b, c: a * b - c),
-         ("A train travels {a} km per hour for {b} hours, then {c} km more. How far does it travel in total? Explain "
-          "every step of your reasoning in detail before giving the answer.", lambda a, b, c: a * b + c)]
-
+# Qwen2.5-0.5B's layer widths and vocabulary with 2 layers (on a CPU), and Qwen2.5-1.5B whole (on a GPU): built from
+# their config.json's numbers, random weights, nothing downloaded
+SMALL_QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+CHECKS = [("full fine-tune", False, 0, 0.0, False), ("full fine-tune", False, 0, 0.04, False),
+          ("+ gradient checkpointing", True, 0, 0.0, False), ("LoRA r=16", False, 16, 0.0, False),
+          ("LoRA r=16 + checkpointing", True, 16, 0.0, False), ("+ entropy bonus", False, 0, 0.0, True)]
 
 # glibc's malloc raises its mmap threshold each time a large block is freed, so later blocks of that size come from
-# the heap and stay in RSS after they are freed: peak RSS then counts dead temporaries (up to 2.8 GiB more for LoRA,
-# whose adapters add a temporary per projection, than the tensors autograd keeps). A fixed threshold returns every
-# block over 1 MiB to the system when freed, so peak RSS follows live memory; GPUs have their own allocator.
+# the heap and stay in RSS after they are freed: peak RSS then counts dead temporaries. A fixed threshold returns
+# every block over 1 MiB to the system when freed, so peak RSS follows live memory; GPUs have their own allocator.
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
-def measure_one(model_path: str, data: Path, out: Path, checkpointing: bool, rank: int, beta: float, steps: int,
-                threads: int, max_new_tokens: int = 256, env: dict | None = None, extra: tuple[str, ...] = ()) -> dict:
-    """One train.py process on 2 prompts x 4 completions, one micro-batch of 8 rows: its peak RSS (os.wait4's, this
-    child's alone) and its last step's seconds and longest completion. `env`: variables added to the child's."""
+def shape_of_config(c: dict, name: str = "") -> Shape:
+    """A decoder's Shape from its config.json's numbers. Parameters are counted from the shapes (embeddings, once
+    more when untied; per layer q, k, v, o, the SwiGLU MLP and two norms; the final norm); biases are left out
+    (Qwen2's q/k/v biases are under 0.1% of its parameters)."""
+    h, layers, i, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    head = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads", heads) * head
+    q = heads * head
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    return Shape(name, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab, heads, q)
+
+
+def shape_of(path: str) -> Shape:
+    """A decoder's Shape from its config.json alone (a model folder or the file): no weights are read."""
+    import json
+
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    return shape_of_config(json.loads(file.read_text()), file.parent.name or file.stem)
+
+
+class Peak:
+    """The most tensor memory in use since the last reset: CUDA's own count on a GPU; on a CPU the kernel's
+    high-water mark of resident memory (VmHWM, reset through clear_refs) less what the process holds besides its
+    tensors (`tensors`: the bytes of the tensors alive when the count starts)."""
+
+    def __init__(self, device, tensors: int):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.base = 0 if self.cuda else self.rss("VmRSS") - tensors
+
+    @staticmethod
+    def rss(key: str) -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {key} in /proc/self/status")
+
+    def reset(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def read(self) -> int:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return self.rss("VmHWM") - self.base
+
+
+def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: int = 512, beta: float = 0.0,
+                   checkpointing: bool = False, lora_rank: int = 0, entropy_bonus: bool = False,
+                   dtype: str = "bfloat16", device: str = "cpu", model_type: str = "qwen2") -> dict:
+    """In this process: a `model_type` (qwen2, llama) model of `config`'s shape (random weights), a warm-up update on
+    a few short rows (AdamW's moments, kernels and threads exist after it), then train.update over 4 x `rows` rows
+    of `prompt` + `completion` tokens with π_old recomputed, in 2 minibatches of 2 micro-batches of `rows` (the
+    gradients are whole during a step's second micro-batch), as the estimate counts. Returns the tensor memory at
+    the peak of each phase (the π_old pass and the first micro-batches, each optimizer step, the second step's
+    micro-batches) in bytes, and the estimate."""
+    import copy
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rollout
+    import train
+    from plumbing import run as runs
+
+    dev, compute = torch.device(device), {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config, max_position_embeddings=4096))
+    policy = models.compute_in(policy.to(compute) if lora_rank else policy, compute).to(dev)
+    if lora_rank:
+        policy = models.add_lora(policy, lora_rank, 2.0 * lora_rank, models.LORA_TARGETS)
+    ref = None if beta == 0 else models.AdapterOff(policy) if lora_rank else \
+        models.frozen_reference(copy.deepcopy(policy))
+    if checkpointing:
+        models.enable_checkpointing(policy)
+    policy.train()
+    args, cfg = runs.resolve(train.Args(algo="grpo", num_minibatches=2, micro_batch_size=rows, beta=beta,
+                                        old_logprobs="recompute", max_new_tokens=completion,
+                                        entropy_coef=0.01 if entropy_bonus else None))
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=dev.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def update(n: int, width: int) -> None:
+        ids = torch.randint(config["vocab_size"], (n, prompt + width))
+        ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
+                             torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+        train.update(policy, ref, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
+                     torch.Generator().manual_seed(0))
+
+    update(4, 8)  # the warm-up
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
+             [*policy.parameters(), *(ref.parameters() if isinstance(ref, torch.nn.Module) else []),
+              *(v for state in opt.state.values() for v in state.values() if torch.is_tensor(v))]}
+    peak, seen = Peak(dev, sum(alive.values())), []
+
+    def mark(*_):  # the peak of what came before an optimizer step, then of the step itself
+        seen.append(peak.read())
+        peak.reset()
+
+    opt.register_step_pre_hook(mark)
+    opt.register_step_post_hook(mark)
+    peak.reset()
+    update(4 * rows, completion)
+    s = shape_of_config(config, "Qwen2-shaped")
+    e = estimate(s, rows, prompt + completion, completion, beta, checkpointing, lora_rank,
+                 torch.finfo(compute).bits // 8, entropy_bonus, dev.type)
+    return {"phases": dict(zip(["pi_old pass and first micro-batches", "optimizer step 1", "second step's micro-batches",
+                                "optimizer step 2"], seen)), "peak": max(seen), "estimate": total(e),
+            "estimated phases": phases(e), "params": sum(p.numel() for p in policy.parameters())}
+
+
+def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat16", rows: int = 4,
+            completion: int = 512, checks=CHECKS, timeout: float = 900) -> list[dict]:
+    """Each of `checks` in a process of its own (python -m tools.memory --worker): the measured peak of one update
+    beside the estimate. Returns one dict per check; prints a table row as each finishes."""
     import json
     import os
     import subprocess
     import sys
 
-    name = f"{'lora' if rank else 'full'}{'-gc' if checkpointing else ''}-b{beta}{'-x' if extra else ''}"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", model_path, "--dataset", str(data),
-           "--answer-format", "last-number", "--max-new-tokens", str(max_new_tokens), "--num-prompts", "2",
-           "--num-generations", "4", "--num-minibatches", "1", "--micro-batch-size", "8", "--total-steps", str(steps), "--eval-size", "1",
-           "--eval-every", str(steps), "--beta", str(beta), "--lora-rank", str(rank), "--threads", str(threads),
-           "--output-dir", str(out), "--run-name", name, "--no-save-model", "--wandb-mode", "disabled"]
-    if checkpointing:
-        cmd.append("--gradient-checkpointing")
-    cmd += list(extra)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"error: {name} failed: {err.strip().splitlines()[-1] if err.strip() else status}")
-    last = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()
-            if '"perf/update_s"' in line][-1]
-    return {"rss_gib": usage.ru_maxrss * 1024 / GiB, "step_s": last["perf/rollout_s"] + last["perf/update_s"],
-            "update_s": last["perf/update_s"], "completion": int(last["charts/completion_len_max"])}
+    out = []
+    for label, ckpt, rank, beta, bonus in checks:
+        job = dict(config=config, rows=rows, completion=completion, beta=beta, checkpointing=ckpt, lora_rank=rank,
+                   entropy_bonus=bonus, dtype=dtype, device=device)
+        proc = subprocess.run([sys.executable, "-m", "tools.memory", "--worker", json.dumps(job)],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **MMAP_THRESHOLD})
+        if proc.returncode != 0:
+            raise SystemExit(f"error: the memory check '{label}' failed: "
+                             f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        m = {"label": label, "beta": beta, **json.loads(proc.stdout.strip().splitlines()[-1])}
+        m["ratio"] = m["estimate"] / m["peak"]
+        out.append(m)
+        print(check_row(m), flush=True)
+    return out
 
 
-def measure(steps: int = 2, threads: int = 2, glibc_default: bool = False, entropy_bonus: bool = False) -> str:
-    """The four set-ups at β 0 and 0.04 with SmolLM2-135M, measured; each row beside the fp32 estimate of the same micro-batch (its
-    tokens: the longest chat-formatted prompt, left-padded to, plus the rollout's longest completion). With
-    `entropy_bonus`: the full fine-tune at β 0 without and with --entropy-coef 0.01 instead."""
-    import json
-    import random
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from tools import bench
-    import model
-    import rollout
-
-    gguf = bench.smollm_path()
-    rng = random.Random(0)
-    problems = []
-    for i in range(40):
-        text, answer = WORDY[i % 2]
-        a, b, c = rng.randint(3, 19), rng.randint(4, 24), rng.randint(1, 30)
-        problems.append({"prompt": text.format(a=a, b=b, c=c), "answer": str(answer(a, b, c))})
-    lines = [json.dumps(p) for p in problems]
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
-    prompt = max(len(tokenizer(rollout.format_prompt(tokenizer, p["prompt"], "last-number"))["input_ids"])
-                 for p in problems)
-    header = (f"| SmolLM2-135M, fp32, 2 x 4 rows, 256 new tokens | β | peak RSS "
-              f"({'glibc default' if glibc_default else 'mmap threshold 1 MiB'}) | estimate (fp32) | s / RL step | "
-              "of which update |")
-    rows = [header, "|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "wordy.jsonl"
-        data.write_text("\n".join(lines) + "\n")
-        setups = ([("full fine-tune", False, 0, 0.0, False), ("+ entropy bonus", False, 0, 0.0, True)]
-                  if entropy_bonus else [(label, ckpt, rank, beta, False) for label, ckpt, rank in SETUPS
-                                         for beta in (0.0, 0.04)])
-        for label, ckpt, rank, beta, bonus in setups:
-            m = measure_one(gguf, data, Path(tmp), ckpt, rank, beta, steps, threads,
-                            env=None if glibc_default else MMAP_THRESHOLD,
-                            extra=("--entropy-coef", "0.01") if bonus else ())
-            est = total(estimate(SMOLLM, 8, prompt + m["completion"], m["completion"], beta, ckpt, rank,
-                                 bytes_per=4, entropy_bonus=bonus)) / GiB
-            rows.append(f"| {label} | {beta} | {m['rss_gib']:.2f} GiB | {est:.2f} GiB | {m['step_s']:.1f} | "
-                        f"{m['update_s']:.1f} (T = {m['completion']}) |")
-            print(rows[-1], flush=True)
-    return "\n".join(rows)
+def check_header(config: dict, rows: int, completion: int, dtype: str, device: str) -> str:
+    return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, "
+            f"{dtype}, {device}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens | β | measured peak | "
+            "estimate | estimate / measured |\n|---|---|---|---|---|")
 
 
-def shape_of(path: str) -> Shape:
-    """A decoder's Shape from its config.json alone (a model folder or the file): no weights are read. Parameters
-    are counted from the shapes (embeddings, once more when untied; per layer q, k, v, o, the SwiGLU MLP and two
-    norms; the final norm); biases are left out (Qwen2's q/k/v biases are under 0.1% of its parameters)."""
-    import json
-
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    c = json.loads(file.read_text())
-    h, layers, i, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    head = c.get("head_dim") or h // c["num_attention_heads"]
-    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head
-    q = c["num_attention_heads"] * head
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
-    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
-    return Shape(file.parent.name or file.stem, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab)
+def check_row(m: dict) -> str:
+    return (f"| {m['label']} | {m['beta']} | {m['peak'] / GiB:.2f} GiB | {m['estimate'] / GiB:.2f} GiB | "
+            f"{m['ratio']:.2f} |")
 
 
 @dataclass
 class MemoryArgs:
-    """The tables of docs/reference.md, the CPU measurement, or the estimate for one model at your settings."""
+    """The tables of docs/reference.md, the check that measures the estimate, or the estimate for one model at your
+    settings."""
     model: str = ""
     """a model folder or its config.json: print this model's estimate at the settings below (no weights are read)"""
     num_prompts: int = 16
@@ -263,6 +372,8 @@ class MemoryArgs:
     """G, as train.py's"""
     num_minibatches: int = 4
     """rows per optimizer step = P x G / this"""
+    micro_batch_size: int = 0
+    """rows per forward/backward, as train.py's (0: a whole minibatch)"""
     max_new_tokens: int = 256
     """completion tokens per row"""
     prompt_tokens: int = 150
@@ -278,15 +389,19 @@ class MemoryArgs:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """bfloat16 (autocast over fp32 weights, as on a GPU) or float32"""
     measure: bool = False
-    """measure SmolLM2-135M on this CPU instead (see the module docstring)"""
-    glibc_default: bool = False
-    """with --measure: glibc's default malloc"""
+    """measure one update of a Qwen2.5-shaped model (2 layers of Qwen2.5-0.5B's widths, its 151,936-token vocabulary)
+    on this machine, each set-up beside its estimate"""
+    device: str = "cpu"
+    """with --measure: cpu or cuda"""
+    worker: str = ""
+    """internal: one measurement in this process (JSON settings), printed as JSON"""
 
 
 def for_model(a: MemoryArgs) -> str:
     """One model at the given settings: each part of the estimate, and the rows per forward that fit on each card."""
     s = shape_of(a.model)
-    rows, tokens, per = a.num_prompts * a.num_generations // a.num_minibatches, a.prompt_tokens + a.max_new_tokens, \
+    minibatch = a.num_prompts * a.num_generations // a.num_minibatches
+    rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4
     parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per,
                      a.entropy_bonus)
@@ -294,26 +409,29 @@ def for_model(a: MemoryArgs) -> str:
         (" + gradient checkpointing" if a.gradient_checkpointing else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
              f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} "
-             f"rows x {tokens} tokens "
-             f"(--micro-batch-size 0: a whole minibatch)"]
-    lines += [f"  {k:<12} {v / GiB:7.2f} GiB" for k, v in parts.items()]
-    lines.append(f"  {'peak':<12} {total(parts) / GiB:7.2f} GiB (resident + the larger of the pi_old pass and the "
-                 "update's micro-batch)")
+             f"rows x {tokens} tokens" + ("" if a.micro_batch_size else " (--micro-batch-size 0: a whole minibatch)")]
+    lines += [f"  {k:<16} {v / GiB:7.2f} GiB" for k, v in parts.items() if v]
+    lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(parts).items()]
+    lines.append(f"  {'peak':<16} {total(parts) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} of a card for "
+                 "the CUDA context and the allocator's cache)")
     for card in CARDS:
-        fit = rows
-        while fit >= 1 and total(estimate(s, fit, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing,
-                                          a.lora_rank, per, a.entropy_bonus)) > 0.9 * card * 1e9:
-            fit //= 2
-        lines.append(f"  on {card} GB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
+        fit = rows_that_fit(s, card, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank,
+                            per, a.entropy_bonus)
+        lines.append(f"  on {card} GiB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+    import json
+
     import tyro
 
     a = tyro.cli(MemoryArgs, description=__doc__)
-    if a.measure:
-        print(measure(glibc_default=a.glibc_default, entropy_bonus=a.entropy_bonus))
+    if a.worker:
+        print(json.dumps(measure_update(**json.loads(a.worker))))
+    elif a.measure:
+        print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device), flush=True)
+        measure(device=a.device, dtype=a.dtype)
     elif a.model:
         print(for_model(a))
     else:
