@@ -18,16 +18,34 @@ from conftest import SMALL_ARGS, metrics_without_timing
 from plumbing import logs, run as runs
 
 
-class PretendAccelerator(TorchFunctionMode):
-    """A stand-in for a second device on a CPU-only machine. Tensors that the model's `generate` takes or returns
-    count as "on the accelerator", and so does everything computed from them, until `.cpu()` / `.to("cpu")` moves
-    them off. An op that mixes such a tensor with a host tensor of one or more dimensions raises, as CUDA does
-    ("Expected all tensors to be on the same device"); indexing with a host index is allowed, as CUDA allows it."""
+def is_host(x) -> bool:
+    """A device argument that names the host: the string 'cpu'. A torch.device object is what the code got from the
+    policy (next(policy.parameters()).device, model.device), which on a GPU machine is the accelerator."""
+    return isinstance(x, str) and x.startswith("cpu")
 
-    def __init__(self):
+
+class PretendAccelerator(TorchFunctionMode):
+    """A stand-in for a second device on a CPU-only machine, strict enough to see the update. On the accelerator:
+    the parameters and buffers of the models it is given, what `.to(d)` moves there (d a torch.device object, as the
+    code gets it from the policy; a move to the host is spelled `.cpu()` or `.to("cpu")`), tensors made with such a
+    `device=`, whatever `generate` returns, and everything computed from any of these, until moved off. Raised, as
+    CUDA raises them: an op that mixes the accelerator with a host tensor of one or more dimensions (a 0-d host
+    tensor is a scalar CUDA accepts), indexing a host tensor with an accelerator index (the other way round is
+    allowed), `.numpy()` of an accelerator tensor, and a random op on the accelerator drawing from a generator of the
+    host. `.item()` and `.tolist()` return plain numbers. While counting (`counting`), every op with a tensor operand
+    is counted, and those with an accelerator operand are `seen`."""
+
+    MOVES_OFF = (torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist)
+
+    def __init__(self, *models):
         super().__init__()
         self.ids, self.keep = set(), []  # id() of tensors on the pretend device (kept alive so ids stay unique)
-        self.inside_model = False  # the model itself runs on the device: nothing to check in there
+        self.inside_model = False  # generate runs on the device as a whole: nothing to check in there
+        self.counting, self.ops, self.seen = False, 0, 0
+        self.stay_on_host = set()  # planted faults: ids whose .to(device) is left out, as if the line were deleted
+        for model in models:
+            for t in [*model.parameters(), *model.buffers()]:
+                self.put(t)
 
     def put(self, t):
         if isinstance(t, torch.Tensor):
@@ -35,68 +53,173 @@ class PretendAccelerator(TorchFunctionMode):
             self.keep.append(t)
         return t
 
+    def on(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.ids
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.inside_model:
             return func(*args, **kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        on = [t for t in tensors if id(t) in self.ids]
-        to_host = func in (torch.Tensor.cpu,) or (func is torch.Tensor.to and any(
-            (isinstance(a, str) and a == "cpu") or (isinstance(a, torch.device) and a.type == "cpu") for a in leaves))
-        if on and func not in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and not to_host:
-            host = [t for t in tensors if id(t) not in self.ids and t.dim() > 0]
+        on = [t for t in tensors if self.on(t)]
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None)
+                            if func is torch.Tensor.to else None)
+        if func is torch.Tensor.to and args[1:] and isinstance(args[1], torch.Tensor):  # .to(other_tensor)
+            target = torch.device("cpu") if self.on(args[1]) else "cpu"
+        to_host = func in self.MOVES_OFF or is_host(target)
+        to_device = isinstance(target, torch.device) and not (tensors and id(tensors[0]) in self.stay_on_host)
+        made_on_device = func is not torch.Tensor.to and isinstance(kwargs.get("device"), torch.device)
+        if self.counting and tensors:
+            self.ops += 1
+            self.seen += bool(on) or to_device
+        if on and func is torch.Tensor.numpy:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy (pretend accelerator)")
+        if made_on_device and isinstance(kwargs.get("generator"), torch.Generator):
+            raise RuntimeError(f"Expected a 'cuda' device type for generator ({func.__name__} on the pretend "
+                               "accelerator draws from a host generator)")
+        if on and not (to_host or to_device):
+            if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+                if not self.on(args[0]):  # a host tensor indexed with (or assigned) an accelerator tensor
+                    raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor "
+                                       f"(cpu) ({func.__name__}, pretend accelerator)")
+                host = [t for t in tensors[2:] if not self.on(t) and t.dim() > 0]  # an assigned host value
+            else:
+                host = [t for t in tensors if not self.on(t) and t.dim() > 0]
             if host:
                 raise RuntimeError(f"Expected all tensors to be on the same device ({func.__name__} mixes the "
                                    "pretend accelerator and the host)")
         out = func(*args, **kwargs)
-        if on and to_host and any(out is t for t in on):  # a real move makes a new tensor; .to() of a CPU one does not
-            out = out.clone()
-        if on and not to_host:
+        if (to_host or to_device) and any(out is t for t in tensors):  # a real move makes a new tensor; on one
+            out = out.clone()                                              # CPU .to() returns its input
+        if to_host:
+            return out
+        # .to(dtype) or a move left out follows its input; every other op lands where any operand or `device=` is
+        if to_device or made_on_device or (on and not (func is torch.Tensor.to and not self.on(tensors[0]))):
             for t in pytree.tree_leaves(out):
                 self.put(t)
         return out
 
 
-def test_one_process_step_keeps_host_bookkeeping_on_the_host(tmp_path, tiny_policy_dir, monkeypatch):
-    """Issue 39.1: with one process, generate's outputs stayed on the GPU and the rollout metrics multiplied them
-    with CPU correctness masks. Under the stand-in, one RL step (rollout, verifier, advantages, update, metrics) of
-    GRPO with a reference model and pi_old both kept and recomputed must not mix devices."""
-    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
-                         "num_prompts": 16, "max_new_tokens": 48})
-    args, cfg = runs.resolve(args)
-    for old in ("sampler", "recompute"):
-        args = dataclasses.replace(args, old_logprobs=old)
-        policy, tokenizer = runs.load_policy(args)
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)
-        mode = PretendAccelerator()
-        real_generate = policy.generate
+def step_on_pretend_device(policy, ref, tokenizer, args, cfg, monkeypatch, adv_on_host: bool = False):
+    """One RL step (rollout, verifier, advantages, update, metrics) with the models on the pretend accelerator;
+    returns (batch, metrics, mode). adv_on_host plants a fault: the update's `adv.to(device)` left out."""
+    mode = PretendAccelerator(*[m for m in (policy, ref) if isinstance(m, torch.nn.Module)])
+    real_generate, real_update = policy.generate, train.update
 
-        def generate_on_device(*a, **kw):
-            mode.inside_model = True
-            try:
-                out = real_generate(*a, **kw)
-            finally:
-                mode.inside_model = False
-            for v in kw.values():
-                mode.put(v)
-            for processor in kw.get("logits_processor") or []:  # what a processor kept was made on the device
-                for t in pytree.tree_leaves(vars(processor)):
-                    mode.put(t)
-            for t in pytree.tree_leaves(dict(out)):
+    def generate_on_device(*a, **kw):
+        mode.inside_model = True
+        try:
+            out = real_generate(*a, **kw)
+        finally:
+            mode.inside_model = False
+        for processor in kw.get("logits_processor") or []:  # what a processor kept was made on the device
+            for t in pytree.tree_leaves(vars(processor)):
                 mode.put(t)
-            return out
+        for t in pytree.tree_leaves(dict(out)):
+            mode.put(t)
+        return out
 
-        monkeypatch.setattr(policy, "generate", generate_on_device)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        stream = runs.PromptStream(runs.load_data(args)[0], 0)
-        with mode:
-            batch, metrics = train.rl_step(policy, ref, tokenizer, optimizer, scheduler, stream, cfg, args,
-                                           torch.Generator().manual_seed(0))
-        assert mode.ids, "the stand-in saw generate's tensors"
-        assert "charts/len_incorrect_rel" in metrics and "losses/kl_ref" in metrics, metrics  # mixed groups seen
-        assert all(id(t) not in mode.ids for t in vars(batch.ro).values() if t is not None), "rollout on the host"
+    def counted_update(policy, ref_policy, optimizer, scheduler, batch, adv, *a, **kw):
+        if adv_on_host:
+            mode.stay_on_host.add(id(adv))
+        mode.counting = True
+        try:
+            return real_update(policy, ref_policy, optimizer, scheduler, batch, adv, *a, **kw)
+        finally:
+            mode.counting = False
+
+    monkeypatch.setattr(policy, "generate", generate_on_device)
+    monkeypatch.setattr(train, "update", counted_update)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    stream = runs.PromptStream(runs.load_data(args)[0], 0)
+    with mode:
+        batch, metrics = train.rl_step(policy, ref, tokenizer, optimizer, scheduler, stream, cfg, args,
+                                       torch.Generator().manual_seed(0))
+    return batch, metrics, mode
+
+
+BRANCHES = {  # the default step, and each branch of the step that moves tensors differently
+    "default (gspo, pi_old from the sampler)": {},
+    "grpo, pi_old recomputed, beta in the loss": dict(algo="grpo", old_logprobs="recompute"),
+    "beta in the reward": dict(algo="grpo", kl_in="reward"),
+    "rollout correction": dict(algo="grpo", beta=0.0, rollout_correction="sequence_mask"),
+    "entropy bonus and top-entropy tokens": dict(entropy_coef=0.01, top_entropy_quantile=0.5),
+    "adaptive entropy": dict(algo="grpo", beta=0.0, entropy_target=5.0),
+    "LoRA, beta in the loss": dict(algo="grpo", lora_rank=4),
+    "DAPO (dynamic sampling, overlong shaping)": dict(algo="dapo"),
+}
+
+
+def policy_and_reference(args, cfg):
+    import model as models
+
+    policy, tokenizer = runs.load_policy(args)
+    if args.lora_rank:
+        policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+        return policy, (models.AdapterOff(policy) if cfg.beta > 0 else None), tokenizer
+    return policy, (models.frozen_reference(copy.deepcopy(policy)) if cfg.beta > 0 else None), tokenizer
+
+
+@pytest.mark.parametrize("branch", list(BRANCHES))
+def test_one_step_keeps_every_tensor_on_its_device(tmp_path, tiny_policy_dir, monkeypatch, branch, capsys):
+    """Issues 39.1 and 45.2: under the stand-in, one RL step of each branch mixes no devices, its rollout stays on
+    the host, and the stand-in sees at least 90% of the update's ops (before 45.2 it saw none of them)."""
+    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "num_prompts": 8,
+                         "max_new_tokens": 32, **BRANCHES[branch]})
+    args, cfg = runs.resolve(args)
+    if args.entropy_target is not None:
+        import losses
+
+        entropy_control = losses.AdaptiveEntropy(cfg.entropy_coef, args.entropy_target)
+        monkeypatch.setattr(train, "rl_step", functools.partial(train.rl_step, entropy_control=entropy_control))
+    policy, ref, tokenizer = policy_and_reference(args, cfg)
+    batch, metrics, mode = step_on_pretend_device(policy, ref, tokenizer, args, cfg, monkeypatch)
+    share = mode.seen / mode.ops
+    with capsys.disabled():
+        print(f"\n{branch}: the stand-in saw {mode.seen} of the update's {mode.ops} ops ({share:.0%})")
+    assert share >= 0.9, (mode.seen, mode.ops)
+    assert all(not mode.on(t) for t in vars(batch.ro).values() if t is not None), "rollout on the host"
+    assert "losses/policy_loss" in metrics and metrics["losses/skipped_updates"] == 0
+
+
+@pytest.mark.parametrize("fault", ["advantages left on the host", "loss times a host tensor"])
+def test_the_stand_in_fails_what_cuda_refuses(tmp_path, tiny_policy_dir, monkeypatch, fault):
+    """The two faults the old stand-in let pass: the update's advantages never moved to the device (the line
+    `adv.to(device)` deleted), and a loss multiplied by a host tensor."""
+    import losses
+
+    args, cfg = runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path),
+                                           "max_new_tokens": 32}))
+    policy, ref, tokenizer = policy_and_reference(args, cfg)
+    if fault == "loss times a host tensor":
+        real_loss = losses.policy_loss
+        monkeypatch.setattr(losses, "policy_loss", lambda *a, **kw: real_loss(*a, **kw) * torch.ones(1))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device|indices should be"):
+        step_on_pretend_device(policy, ref, tokenizer, args, cfg, monkeypatch,
+                               adv_on_host=fault == "advantages left on the host")
+
+
+def test_the_stand_in_models_cuda_s_other_refusals():
+    w = torch.nn.Linear(3, 3)
+    mode = PretendAccelerator(w)
+    device = next(w.parameters()).device
+    with mode:
+        on = torch.arange(4, device=device)
+        host = torch.zeros(4)
+        assert mode.on(on) and not mode.on(host) and mode.on(host.to(device)) and not mode.on(on.cpu())
+        assert not mode.on(on.to("cpu")) and isinstance(on.sum().item(), int)
+        assert mode.on(on[torch.tensor([0, 1])])  # an accelerator tensor indexed from the host: allowed
+        with pytest.raises(RuntimeError, match="indices should be"):
+            host[on[:2]]
+        with pytest.raises(TypeError, match="numpy"):
+            on.numpy()
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.randperm(4, generator=torch.Generator(), device=device)
+        assert mode.on(on + torch.tensor(2))  # a 0-d host tensor is a scalar
+        with pytest.raises(RuntimeError, match="same device"):
+            on + host
 
 
 def moved_after_one_step(tmp_path, model_dir, dtype: str) -> dict:
