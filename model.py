@@ -219,7 +219,7 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a hub id, a local model directory, or a .gguf file (dequantised by transformers)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     kwargs, source = {}, name
@@ -241,6 +241,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     try:
         # never the model's own Python code; weights from safetensors or GGUF, a .bin only through torch's safe load
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, **kwargs)
+        own = AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs).dtype  # before it is loaded as `dtype`
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=False, **kwargs)
     except Exception as e:  # loaders raise many types (OSError, ValueError, ImportError, ...); all mean "cannot load"
         if kwargs.get("local_files_only"):
@@ -250,6 +251,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         raise ModelError(f"could not load model {name!r}: {first}")
     if "gguf_file" in kwargs:  # dequantised to `dtype` on load but still flagged as quantised, which Trainer refuses
         model.is_quantized, model.hf_quantizer = False, None
+    model.own_dtype = own if isinstance(own, torch.dtype) else None  # what save_final writes the weights in
     return prepare(without_dropout(model), tokenizer, device)
 
 
@@ -343,13 +345,35 @@ class AdapterOff:
 
 def save_final(model, tokenizer, folder: Path, merge: bool) -> None:
     """The final policy: the whole model, or under LoRA its adapter, and with `merge` also the base with the
-    adapter merged in (folder/merged, a plain model that --model loads)."""
-    model.save_pretrained(folder)
+    adapter merged in (folder/merged, a plain model that --model loads). A full fine-tune trains fp32 weights and is
+    saved in the model's own dtype (a bf16 model's final/ is bf16, as its hub folder was); each folder keeps the
+    model's own generation_config.json (its sampling defaults), not the one this trainer samples with."""
+    as_published(model, folder)
     tokenizer.save_pretrained(folder)
     if merge and is_lora(model):
         merged = model.merge_and_unload()
-        merged.save_pretrained(folder / "merged")
+        as_published(merged, folder / "merged")
         tokenizer.save_pretrained(folder / "merged")
+
+
+def as_published(model, folder: Path) -> None:
+    """save_pretrained with the model's own generation config, and its weights in its own dtype (a full model)."""
+    own, ours = getattr(model, "own_generation_config", None), model.generation_config
+    dtype = getattr(model, "own_dtype", None)
+    state = None
+    if dtype is not None and not is_lora(model) and dtype != model.dtype:
+        cast = {}  # one copy per storage, so that tied weights stay tied
+        state = {k: cast.setdefault(v.untyped_storage().data_ptr(), v.detach().to("cpu", dtype))
+                 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    try:
+        model.generation_config = own or ours
+        model.save_pretrained(folder, state_dict=state)
+    finally:
+        model.generation_config = ours
+    if state is not None:  # the config names the dtype the weights were written in
+        config = json.loads((folder / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def prepare(model, tokenizer, device: torch.device):
@@ -365,6 +389,7 @@ def prepare(model, tokenizer, device: torch.device):
     tokenizer.padding_side = "left"
     from transformers import GenerationConfig
 
+    model.own_generation_config = model.generation_config  # kept for save_final
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=stop_ids(model.generation_config, tokenizer))
     return model.to(device), tokenizer

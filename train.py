@@ -318,7 +318,8 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     t1 = time.time()
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)
     if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
-        ref_logp = score_rollout(ref_policy, batch.ro, args.temperature, policy.device, args.micro_batch_size)
+        ref_logp = score_rollout(ref_policy, batch.ro, args.temperature, policy.device, args.micro_batch_size,
+                                 len(batch.ro.lengths) // args.num_minibatches)  # as many rows per forward as pi_old's
         reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
@@ -369,7 +370,8 @@ def train(args: Args) -> dict:
             metrics["perf/elapsed_min"] = run.minutes()
             evaluated = step % args.eval_every == 0 or step == args.total_steps
             if evaluated:
-                held_out, shown = run.evaluate(step)
+                with failures.evaluating(step):
+                    held_out, shown = run.evaluate(step)
                 metrics.update(held_out)
             run.logger.log(metrics, step=step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)

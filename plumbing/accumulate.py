@@ -29,7 +29,7 @@ class Accumulator:
 
     def score(self, fn, rows: torch.Tensor, step_rows: int):
         """fn(rows) over every row in micro-batches (see score_rows)."""
-        return score_rows(fn, rows, step_rows, self.micro_batch_size, self.world.size)
+        return score_rows(fn, rows, step_rows, self.micro_batch_size)
 
     def step(self, rows: torch.Tensor, mask: torch.Tensor, loss_of) -> None:
         """One optimizer step on `rows` (this rank's share). loss_of(model, rows, norm) -> (loss, record): the loss of
@@ -69,21 +69,25 @@ class Accumulator:
                 "losses/skipped_updates": self.skipped}
 
 
-def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int, world_size: int = 1):
+def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int):
     """fn(rows) over every row in micro-batches (--micro-batch-size, or halved from step_rows after an out-of-memory
-    error), concatenated: a forward pass without gradient, e.g. pi_old's or the reference's log-probs of a rollout."""
+    error), concatenated: a forward pass without gradient, e.g. pi_old's or the reference's log-probs of a rollout.
+    It holds no collective, so under torchrun a rank halves alone too; its size is remembered apart from the
+    update's, which every rank must split alike."""
     @torch.inference_mode()
     def run(micro):
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
-    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, world_size)
+    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, key=f"score {step_rows}")
 
 
-def score_rollout(model, ro, temperature: float, device, micro_batch_size: int = 0) -> torch.Tensor:
-    """log pi(y_t) of every completion token of a rollout under `model`, without gradient, in micro-batches
-    (halved after an out-of-memory error): (B, T), on the host."""
+def score_rollout(model, ro, temperature: float, device, micro_batch_size: int = 0,
+                  step_rows: int | None = None) -> torch.Tensor:
+    """log pi(y_t) of every completion token of a rollout under `model`, without gradient, in micro-batches of
+    --micro-batch-size or, with 0, of `step_rows` (default: all rows), halved after an out-of-memory error: (B, T), on
+    the host."""
     on = ro.to(device)
     rows = torch.arange(len(ro.lengths), device=device)
     return score_rows(lambda r: rollout.completion_logprobs(model, on.input_ids[r], on.attention_mask[r],
                                                             ro.completion_ids.shape[1], temperature),
-                      rows, len(rows), micro_batch_size).cpu()
+                      rows, step_rows or len(rows), micro_batch_size).cpu()

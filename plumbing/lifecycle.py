@@ -271,7 +271,7 @@ class StepFailures:
         if isinstance(exc, DynamicSamplingError):
             raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
                                        "or start again with --overwrite and more --num-generations or "
-                                       "--no-dynamic-sampling") from None
+                                       "--dynamic-sampling False") from None
         if isinstance(exc, OptimizerOutOfMemory):  # nothing worth saving: resuming would meet it again
             raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: {exc}; no "
                                        "checkpoint of this step was written") from None
@@ -279,6 +279,24 @@ class StepFailures:
             unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None
         return False
+
+
+    @contextlib.contextmanager
+    def evaluating(self, step: int):
+        """The held-out evaluation after `step`: out of memory there, even at one row at a time, saves the state after
+        the step (a single process; under torchrun the latest checkpoint is named) in one line."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            free_cached_memory()
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no details"
+            last = checkpoint.all_checkpoints(self.run_dir / "checkpoints")
+            where = f"saved {self.save(step)}" if self.world_size == 1 else \
+                f"latest checkpoint: {last[-1]}" if last else "no checkpoint to resume"
+            raise OutOfMemory(f"out of memory in the held-out evaluation after step {step} ({reason}); {where}. "
+                              f"{self.hint} and a smaller --eval-size (or --eval-samples)") from None
 
 
 class NonFiniteStreak:

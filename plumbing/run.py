@@ -330,16 +330,21 @@ def evaluate(sample, policy, examples: list[task.Example], eval_samples: int, se
     Returns the metrics and the greedy answers to show (examples_to_show)."""
     policy.eval()
     mine = examples[world.rank::world.size]
+
+    def in_pieces(rows: list, greedy: bool) -> list:  # PLUMBING: halved after an out-of-memory error (sampling holds
+        out = []                                      # no collective: under torchrun a rank halves alone)
+        for i in range(0, len(rows), chunk):
+            part = rows[i:i + chunk]
+            out += lifecycle.shrink_on_oom(lambda n: [sample(part[j:j + n], greedy=greedy)
+                                                      for j in range(0, len(part), n)],
+                                           len(part), 0, lambda: None, key=f"evaluate {greedy}")
+        return out
+
     correct, reward, texts = [], [], []
-    for i in range(0, len(mine), chunk):
-        rows = mine[i:i + chunk]
-        parts = lifecycle.shrink_on_oom(  # PLUMBING: in smaller pieces after an out-of-memory error
-            lambda n: [sample(rows[j:j + n], greedy=True)
-                       for j in range(0, len(rows), n)], len(rows), 0, lambda: None, world.size, key="evaluate")
-        for scored in parts:
-            correct += scored.scores["correct"]
-            reward += scored.scores["reward"]
-            texts += scored.texts
+    for scored in in_pieces(mine, greedy=True):
+        correct += scored.scores["correct"]
+        reward += scored.scores["reward"]
+        texts += scored.texts
     sums = [float(np.sum(correct)), float(np.sum(reward))]
     if eval_samples:
         n = eval_samples
@@ -349,8 +354,7 @@ def evaluate(sample, policy, examples: list[task.Example], eval_samples: int, se
         devices = [] if device.type == "cpu" else [device.index or 0]
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(world.seed(seed * 100_003 + step))
-            hits = [c for i in range(0, len(rows), chunk)
-                    for c in sample(rows[i:i + chunk], greedy=False).scores["correct"]]
+            hits = [c for scored in in_pieces(rows, greedy=False) for c in scored.scores["correct"]]
         per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
         ks = sorted({1, n})
         sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]

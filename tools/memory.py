@@ -63,7 +63,7 @@ class Shape:
     @property
     def linear(self) -> float:
         """Parameters of linear layers not tied to the embeddings (all but the embeddings and the norms)."""
-        return self.params - self.vocab * self.hidden
+        return self.params - self.vocab * self.hidden - (2 * self.layers + 1) * self.hidden
 
 
 # Qwen2.5 instruct models (their config.json: hidden_size, intermediate_size, num_hidden_layers, num_key_value_heads x

@@ -134,6 +134,7 @@ def step_on_pretend_device(policy, ref, tokenizer, args, cfg, monkeypatch, adv_o
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     stream = runs.PromptStream(runs.load_data(args)[0], 0)
+    runs.seed_everything(0)  # the same step whatever ran before
     with mode:
         batch, metrics = train.rl_step(policy, ref, tokenizer, optimizer, scheduler, stream, cfg, args,
                                        torch.Generator().manual_seed(0))
@@ -458,6 +459,58 @@ def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys
     device_that_fits(monkeypatch, train, "sample", 4, 2)  # sample(policy, tokenizer, rows, ...)
     halved, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 0, 0)
     assert halved == whole and "out of memory at 8 rows" in capsys.readouterr().out
+    # sampled evaluation (--eval-samples) halves too (issue 45.7): 16 problems x 2 samples, 4 rows fit
+    sampled, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 2, 0)
+    assert "out of memory at 32 rows" in capsys.readouterr().out and 0 <= sampled["eval/pass@2"] <= 1
+
+
+def test_scoring_passes_halve_under_torchrun_too():
+    """pi_old's and the reference's passes hold no collective, so a rank halves alone (issue 45.7: under torchrun
+    they raised instead); their size is remembered apart from the update's, which every rank splits alike."""
+    from plumbing import lifecycle
+    from plumbing.accumulate import Accumulator
+    from plumbing.ddp import World
+
+    lifecycle.AUTO_MICRO_BATCH.clear()
+    steps = Accumulator(None, None, None, World(rank=1, size=2), 0, 1.0, 8)
+
+    def fits_two(rows):
+        if len(rows) > 2:
+            raise RuntimeError(OOM)
+        return rows * 10
+
+    assert steps.score(fits_two, torch.arange(8), 8).tolist() == list(range(0, 80, 10))
+    assert lifecycle.AUTO_MICRO_BATCH == {"score 8": 2}
+    with pytest.raises(RuntimeError, match="allocate"):  # the update itself still refuses to halve alone
+        lifecycle.shrink_on_oom(lambda micro: fits_two(torch.arange(micro)), 8, 0, lambda: None, world_size=2)
+
+
+def test_out_of_memory_in_a_periodic_evaluation_saves_the_step_and_is_one_line(tmp_path, tiny_policy_dir,
+                                                                                monkeypatch, capsys):
+    """Evaluation ran outside the step's failure handler: running out of memory there, even at one row, was a raw
+    traceback with nothing saved. Now it is one line, and the state after the step is saved and resumes."""
+    real, calls = train.sample, []
+
+    def no_room_after_training_starts(*a, **kw):
+        if kw.get("greedy") and len(calls) > 0:
+            raise RuntimeError(OOM)
+        if kw.get("greedy"):
+            calls.append(1)  # the evaluation before step 1 (one call: 8 problems)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train, "sample", no_room_after_training_starts)
+    monkeypatch.setattr(runs.lifecycle, "AUTO_MICRO_BATCH", {})
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "2", "--eval-every", "1"]
+    argv += [x for k, v in SMALL_ARGS.items() if k != "eval_every" for x in (f"--{k.replace('_', '-')}", str(v))]
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert "out of memory in the held-out evaluation after step 1" in err and "--eval-size" in err
+    assert (tmp_path / "gspo-s0" / "checkpoints" / "step-000001" / "state.pt").is_file()
+    monkeypatch.setattr(train, "sample", real)
+    train.main(argv + ["--resume", "auto"])
+    assert "resumed from" in capsys.readouterr().out
 
 
 PEAK_SCRIPT = r"""
@@ -642,3 +695,37 @@ def test_bf16_generate_casts_each_weight_once_per_rollout_and_samples_the_same_t
         a, b = outs["per token"], outs["one region"]
         assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampler_logp, b.sampler_logp)
     assert steps > 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# final/ as the model was published (issue 45.7)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_final_is_saved_in_the_models_own_dtype_with_its_own_generation_config(tmp_path, tiny_policy_dir):
+    """A bf16 model trained here (fp32 weights under the hood) was saved as fp32 (a 1.5B final/ of 6.2 GB, 'dtype:
+    float32') with the trainer's own generation config (its sampling defaults gone). Now final/ is bf16, tied
+    weights stay tied, generation_config.json is the model's, and final/ loads and trains again."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    import model as models
+
+    folder = tmp_path / "bf16-model"
+    shutil.copytree(tiny_policy_dir, folder)
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(folder)
+    published = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=1, pad_token_id=0)
+    published.save_pretrained(folder)
+    train.train(train.Args(**{**SMALL_ARGS, "model": str(folder), "output_dir": str(tmp_path / "runs"),
+                              "total_steps": 1, "run_name": "r"}))
+    final = tmp_path / "runs" / "r" / "final"
+    config = json.loads((final / "config.json").read_text())
+    weights = load_file(final / "model.safetensors")
+    assert config["dtype"] == "bfloat16" and {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in weights  # tied to the embeddings, saved once
+    saved = json.loads((final / "generation_config.json").read_text())
+    assert (saved["temperature"], saved["top_p"], saved["do_sample"]) == (0.6, 0.9, True)
+    policy, _ = models.load_model(str(final), torch.device("cpu"), torch.float32)
+    assert policy.own_dtype == torch.bfloat16

@@ -64,6 +64,7 @@ def test_dynamic_sampling_failure_names_prompts_and_saves(tmp_path, capsys, rand
     assert code == 2 and err.count("\n") == 1
     assert "0 of 4 prompt groups with mixed correctness after 2 rounds" in err and "all wrong" in err
     assert "--max-sampling-rounds" in err and "--resume auto" in err
+    assert "--dynamic-sampling False" in err  # the spelling the parser takes (--no-dynamic-sampling is refused)
     assert (tmp_path / f"dapo-{random_chat_model_dir.name}-task-s0" / "checkpoints" / "step-000000" / "state.pt").is_file()
 
 

@@ -4,6 +4,7 @@ no secret from the environment reaches the files a run writes."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,18 @@ def test_the_wandb_key_and_tokens_never_reach_a_runs_files(tmp_path, tiny_policy
     assert any(p.name == "state.pt" for p in files) and any("wandb" in str(p) for p in files)
     for p in files:
         assert secret.encode() not in p.read_bytes(), p
+
+
+@pytest.mark.slow
+def test_a_run_with_wandb_disabled_does_not_import_wandb(tmp_path):
+    """Issue 45.7: --wandb-mode disabled still imported wandb (seconds at start-up, and a dependency a user may
+    not want to load)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, '.'); import train; train.main(['--total-steps', '1', '--eval-size', '4', "
+            "'--num-prompts', '2', '--num-generations', '2', '--num-minibatches', '1', '--wandb-mode', 'disabled', "
+            f"'--output-dir', {str(tmp_path)!r}, '--no-save-model']); print('wandb loaded:', 'wandb' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert "wandb loaded: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
