@@ -68,6 +68,7 @@ def test_generation_fails_per_token_casts_other_tokens_or_a_slowdown():
     assert not gpu_check.generation_verdict({**casts, "one region": 480}, 15, seconds, True)[0]
     assert not gpu_check.generation_verdict(casts, 15, seconds, False)[0]
     assert not gpu_check.generation_verdict(casts, 15, {**seconds, "one region": 1.5}, True)[0]
+    assert gpu_check.generation_verdict(casts, 15, {**seconds, "one region": 1.5}, True, timed=False)[0]  # a CPU
 
 
 def test_oom_and_bench_verdicts_can_fail():
