@@ -198,3 +198,9 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
                    logits_to_keep=num_completion + 1, use_cache=False).logits
     # position t of the kept logits predicts completion token t; the last one predicts beyond the sequence
     return token_logprobs(logits[:, :-1], input_ids[:, -num_completion:], temperature, with_entropy)
+
+
+def logprobs(model, ro: Rollout, rows: Tensor, temperature: float = 1.0, with_entropy: bool | str = False):
+    """log pi(y_t) of the completion tokens of some rows of a rollout under `model`: (n, T) (completion_logprobs)."""
+    return completion_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows], ro.completion_ids.shape[1],
+                               temperature, with_entropy)

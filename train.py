@@ -30,7 +30,7 @@ import rollout
 import task
 from losses import LossConfig
 from plumbing import ddp, errors, flags, lifecycle, logs, run as runs, settings
-from plumbing.accumulate import Accumulator, score_rollout
+from plumbing.accumulate import MicroBatches, StepLog, score_rows
 from plumbing.ddp import SINGLE, World
 from plumbing.errors import DynamicSamplingError
 from plumbing.run import PromptStream
@@ -233,9 +233,6 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
            entropy_control: losses.AdaptiveEntropy | None = None) -> dict:
     """num_epochs passes over the rollout in num_minibatches shuffled minibatches, one optimizer step each.
     pi_old: pi_old_source's answer for this run (None: ask it here); entropy_control: --entropy-target's state."""
-    # PLUMBING: one optimizer step over micro-batches and ranks, out-of-memory halving, the non-finite skip
-    steps = Accumulator(policy, optimizer, scheduler, world, args.micro_batch_size, args.max_grad_norm,
-                        args.max_new_tokens)
     device = next(policy.parameters()).device
     ro = batch.ro.to(device)
     adv, mask = adv.to(device), ro.completion_mask.float()  # (B,), (B, T)
@@ -249,32 +246,30 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     correction = None if args.rollout_correction == "off" else (
         args.rollout_correction, args.rollout_correction_min, args.rollout_correction_max)
 
-    def logprobs(model, rows, with_entropy=False):  # log pi(y_t) of the completion tokens at the temperature: (n, T)
-        return rollout.completion_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows],
-                                           ro.completion_ids.shape[1], args.temperature, with_entropy)
-
     # ALGO: pi_old and the reference policy, fixed for the whole update
     old_logp = old_entropy = ref_logp = None
     everything = torch.arange(b, device=device)
     if source == "sampler":
         old_logp, old_entropy = ro.sampler_logp, ro.sampler_entropy
-    elif source == "recompute":  # steps.score: in micro-batches, halved after an out-of-memory error
-        old_logp, old_entropy = steps.score(lambda rows: logprobs(policy, rows, with_entropy=True), everything, mb_size)
+    elif source == "recompute":  # PLUMBING (score_rows): in micro-batches, halved after an out-of-memory error
+        old_logp, old_entropy = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, True),
+                                           everything, mb_size, args.micro_batch_size)
     if cfg.beta > 0 and cfg.kl_in == "loss":
-        ref_logp = steps.score(lambda rows: logprobs(ref_policy, rows), everything, mb_size)
+        ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature), everything,
+                              mb_size, args.micro_batch_size)
 
     # the current policy's entropy, where the objective reads it (with gradient for the bonus)
     needs_entropy = "grad" if cfg.entropy_coef != 0.0 or entropy_control else \
         cfg.top_entropy_quantile < 1.0 or source == "on-policy"
-    step_cfg = cfg  # the objective of the current optimizer step (the adaptive bonus's coefficient changes)
+    net = world.trainable(policy)  # PLUMBING: under torchrun the DDP wrapper, whose backward all-reduces gradients
 
-    def loss_of(net, rows, norm):
-        """The objective on some rows of an optimizer step, with the step's normalisers."""
+    def loss_of(rows, norm, step_cfg):
+        """The objective on some rows of an optimizer step, with the step's normalisers; and what it saw."""
         entropy = None
         if needs_entropy:
-            logp, entropy = logprobs(net, rows, with_entropy=needs_entropy)
+            logp, entropy = rollout.logprobs(net, ro, rows, args.temperature, needs_entropy)
         else:
-            logp = logprobs(net, rows)
+            logp = rollout.logprobs(net, ro, rows, args.temperature)
         old = logp.detach() if source == "on-policy" else old_logp[rows]
         # ALGO: --rollout-correction: w = pi_old / mu reweights each unit's loss (losses.py)
         weight = None if correction is None else losses.rollout_correction_weights(old, mu[rows], mask[rows], *correction)
@@ -283,19 +278,31 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         return loss, (rows, logp.detach(), None if entropy is None else entropy.detach())
 
     # ALGO: epochs x minibatches over the one rollout, one optimizer step per minibatch (PPO's inner loop)
+    log = StepLog()  # PLUMBING: what each optimizer step saw, for the logs
     for _ in range(args.num_epochs):
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
-            n = len(steps.records)
             step_cfg = cfg if entropy_control is None else replace(cfg, entropy_coef=entropy_control.applied())
-            steps.step(mb, mask, loss_of)
+            norm = world.step_norm(mask[mb], args.max_new_tokens)  # B and sum_i |y_i| of the step, over every rank
+            step = MicroBatches(mb, args.micro_batch_size, world, lambda: optimizer.zero_grad(set_to_none=True))
+            for part in step:  # gradient accumulation (PLUMBING: begun again at half the rows after out-of-memory)
+                with step.guard():  # PLUMBING: under torchrun DDP all-reduces on the last micro-batch only
+                    loss, seen = loss_of(part, replace(norm, micro_batches=len(step.parts)), step_cfg)
+                    world.backward(loss)  # loss.backward(); under torchrun x N, as DDP averages N ranks' gradients
+                    step.keep(loss, seen)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            if log.finite(step, grad_norm, world):  # PLUMBING: a non-finite loss or gradient skips the update
+                with lifecycle.optimizer_memory(policy, device):
+                    optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
             if entropy_control:  # ALGO: Skywork-OR1's controller moves the coefficient after every optimizer step
-                entropy_control.after_step(steps.records[n:], mask, cfg.top_entropy_quantile, world.sum)
+                entropy_control.after_step(step.seen, mask, cfg.top_entropy_quantile, world.sum)
     on_policy = source == "on-policy"
-    diag = logs.update_metrics(steps.records, None if on_policy else old_logp, None if on_policy else old_entropy,
+    diag = logs.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy,
                                ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
     control = {} if entropy_control is None else {"entropy/coef": entropy_control.coef}  # where the controller stands
-    return {**steps.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
+    return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,8 +325,9 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     t1 = time.time()
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)
     if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
-        ref_logp = score_rollout(ref_policy, batch.ro, args.temperature, policy.device, args.micro_batch_size,
-                                 len(batch.ro.lengths) // args.num_minibatches)  # as many rows per forward as pi_old's
+        on, rows = batch.ro.to(policy.device), torch.arange(len(batch.ro.lengths), device=policy.device)
+        ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature), rows,
+                              len(rows) // args.num_minibatches, args.micro_batch_size).cpu()  # PLUMBING: as pi_old's
         reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch

@@ -1,67 +1,82 @@
-"""One optimizer step over any number of rows, processes and micro-batches, as if it were one forward/backward.
-
-train.update says what the loss of some rows is; `Accumulator.step` owns the rest: the step's normalisers summed
-over ranks (so DDP's gradient average is the one-process gradient), micro-batches (gradient accumulation, halved
-after an out-of-memory error), the gradient all-reduce on the last micro-batch only, gradient clipping, and the
-skip of an update whose loss or gradient is not finite. Nothing here changes what is learned.
+"""The inner loop's plumbing: train.update runs every forward, backward and optimizer step itself; from here it takes
+the micro-batches of each optimizer step (their size: --micro-batch-size, or the whole minibatch halved after each
+out-of-memory error and begun again; DDP's gradient all-reduce on the last one only), the forward passes without
+gradient done in micro-batches (π_old's, the reference's), and a log of what each step saw. Nothing here changes
+what is learned.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
 
 import numpy as np
 import torch
 
-import rollout
 from plumbing import lifecycle
 from plumbing.ddp import World
 
 
-class Accumulator:
-    def __init__(self, policy, optimizer, scheduler, world: World, micro_batch_size: int, max_grad_norm: float,
-                 max_new_tokens: int):
-        self.policy, self.optimizer, self.scheduler, self.world = policy, optimizer, scheduler, world
-        self.micro_batch_size, self.max_grad_norm, self.max_new_tokens = micro_batch_size, max_grad_norm, max_new_tokens
-        self.net = world.trainable(policy)  # the DDP wrapper under torchrun: its backward all-reduces the gradients
-        self.records, self.losses, self.grad_norms, self.skipped = [], [], [], 0  # of the steps taken so far
+class MicroBatches:
+    """The micro-batches of one optimizer step over `rows` (this rank's share), as the update's inner loop takes them:
 
-    def score(self, fn, rows: torch.Tensor, step_rows: int):
-        """fn(rows) over every row in micro-batches (see score_rows)."""
-        return score_rows(fn, rows, step_rows, self.micro_batch_size)
+        for part in step:
+            with step.guard():    # DDP's no_sync on all but the last micro-batch; an out-of-memory error is caught
+                loss, seen = ...; world.backward(loss); step.keep(loss, seen)
 
-    def step(self, rows: torch.Tensor, mask: torch.Tensor, loss_of) -> None:
-        """One optimizer step on `rows` (this rank's share). loss_of(model, rows, norm) -> (loss, record): the loss of
-        some rows under the step's normalisers `norm`, and what to keep of them for the diagnostics."""
-        total, records = lifecycle.shrink_on_oom(
-            lambda micro: self._accumulate(rows, mask, micro, loss_of), len(rows), self.micro_batch_size,
-            lambda: self.optimizer.zero_grad(set_to_none=True), self.world.size)
-        total = self.world.sum([total])[0]  # the whole step's loss: every rank takes the same decision below
-        self.records += records
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        if math.isfinite(total) and torch.isfinite(grad_norm):
-            with lifecycle.optimizer_memory(self.policy, grad_norm.device):
-                self.optimizer.step()
-            self.scheduler.step()
-            self.losses.append(total)
+    `fixed` (--micro-batch-size) rows each, or with 0 all rows at once; after an out-of-memory error inside `guard`
+    the partial gradient is dropped (`reset`), the size halves (remembered for the process: lifecycle.halved) and the
+    loop begins again at the first row. Under torchrun the error is raised instead (lifecycle.halved says why)."""
+
+    def __init__(self, rows: torch.Tensor, fixed: int, world: World, reset):
+        self.rows, self.fixed, self.world, self.reset = rows, fixed, world, reset
+        self.size = fixed or min(len(rows), lifecycle.AUTO_MICRO_BATCH.get(len(rows), len(rows)))
+        self.parts, self.last, self.restart, self.loss, self.seen = (), False, False, 0.0, []
+
+    def __iter__(self):
+        while True:
+            self.parts, self.restart, self.loss, self.seen = self.rows.split(self.size), False, 0.0, []
+            for i, part in enumerate(self.parts):
+                self.last = i == len(self.parts) - 1
+                yield part
+                if self.restart:
+                    break
+            else:
+                return
+
+    @contextlib.contextmanager
+    def guard(self):
+        try:
+            with self.world.sync_gradients(last=self.last):
+                yield
+        except RuntimeError as e:
+            self.size = lifecycle.halved(e, self.size, self.fixed, self.world.size, len(self.rows), self.reset)
+            self.restart = True
+
+    def keep(self, loss: torch.Tensor, seen) -> None:
+        """One micro-batch's loss (summed into the step's) and what it saw, for the logs."""
+        self.loss += loss.item()
+        self.seen.append(seen)
+
+
+class StepLog:
+    """What the update's optimizer steps saw, for the logs: per micro-batch (rows, log-probs, entropy), each step's
+    loss over every rank and its gradient norm, and the updates skipped as non-finite."""
+
+    def __init__(self):
+        self.seen, self.losses, self.grad_norms, self.skipped = [], [], [], 0
+
+    def finite(self, step: MicroBatches, grad_norm: torch.Tensor, world: World) -> bool:
+        """Whether to take the optimizer step: the step's loss, summed over ranks (so that every rank decides
+        alike), and its gradient norm are finite. A non-finite one would poison the weights: the step is skipped."""
+        loss = world.sum([step.loss])[0]
+        self.seen += step.seen
+        if math.isfinite(loss) and torch.isfinite(grad_norm):
+            self.losses.append(loss)
             self.grad_norms.append(float(grad_norm))
-        else:  # a non-finite loss or gradient would poison the weights: skip this update
-            self.skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _accumulate(self, rows: torch.Tensor, mask: torch.Tensor, micro: int, loss_of) -> tuple[float, list]:
-        norm = self.world.step_norm(mask[rows], self.max_new_tokens)  # normalisers of the whole step, all ranks
-        total, records = 0.0, []
-        parts = rows.split(micro)
-        norm = dataclasses.replace(norm, micro_batches=len(parts))
-        for i, part in enumerate(parts):
-            with self.world.sync_gradients(last=i == len(parts) - 1):
-                loss, record = loss_of(self.net, part, norm)
-                self.world.backward(loss)  # under torchrun: scaled so that DDP's average over ranks is the sum
-            total += loss.item()
-            records.append(record)
-        return total, records
+            return True
+        self.skipped += 1
+        return False
 
     def metrics(self) -> dict:
         return {"losses/policy_loss": float(np.mean(self.losses)) if self.losses else float("nan"),
@@ -79,15 +94,3 @@ def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int):
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
     return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, key=f"score {step_rows}")
-
-
-def score_rollout(model, ro, temperature: float, device, micro_batch_size: int = 0,
-                  step_rows: int | None = None) -> torch.Tensor:
-    """log pi(y_t) of every completion token of a rollout under `model`, without gradient, in micro-batches of
-    --micro-batch-size or, with 0, of `step_rows` (default: all rows), halved after an out-of-memory error: (B, T), on
-    the host."""
-    on = ro.to(device)
-    rows = torch.arange(len(ro.lengths), device=device)
-    return score_rows(lambda r: rollout.completion_logprobs(model, on.input_ids[r], on.attention_mask[r],
-                                                            ro.completion_ids.shape[1], temperature),
-                      rows, step_rows or len(rows), micro_batch_size).cpu()

@@ -5,7 +5,7 @@ train.py calls these; none holds RL.
     check_run_folder(...)   a finished run is never replaced; an unfinished one is resumed or replaced on request
     NewRunFolder            the folder start-up made is removed again if start-up fails, so the command can rerun
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
-    shrink_on_oom(...)      --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
+    shrink_on_oom, halved   --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
     optimizer_memory(...)   out of memory in the optimizer step: the sizes that do not fit, and no checkpoint
     StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
                             was saved; NonFiniteStreak stops a run whose updates are all non-finite
@@ -226,21 +226,29 @@ AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> mic
 
 def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1, key: int | str | None = None):
     """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
-    each out-of-memory error, calls `reset` (drop the partial gradient) and retries at half; the size that fits is
-    remembered for the rest of the process, per `key` (default: `rows`). Over several processes an error is raised
-    instead: one rank retrying alone would leave the others waiting in the gradient all-reduce."""
+    each out-of-memory error, retries at half (halved); the size that fits is remembered for the rest of the process,
+    per `key` (default: `rows`)."""
     key = rows if key is None else key
     micro = fixed or min(rows, AUTO_MICRO_BATCH.get(key, rows))
     while True:
         try:
             return run(micro)
         except RuntimeError as e:
-            if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
-                raise
-            reset()
-            free_cached_memory()
-            micro = AUTO_MICRO_BATCH[key] = micro // 2
-            print(f"out of memory at {micro * 2} rows per forward/backward: using {micro} from now on")
+            micro = halved(e, micro, fixed, world_size, key, reset)
+
+
+def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset) -> int:
+    """After error `e` at `micro` rows per forward: half as many, remembered under `key`, once `reset` has dropped
+    what the failed try left (a partial gradient). `e` is raised again when it is not an out-of-memory error, when
+    the size is fixed (--micro-batch-size) or already 1, and over several processes where the pass holds a
+    collective (world_size > 1): one rank retrying alone would leave the others waiting in the all-reduce."""
+    if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
+        raise e
+    reset()
+    free_cached_memory()
+    AUTO_MICRO_BATCH[key] = micro // 2
+    print(f"out of memory at {micro} rows per forward/backward: using {micro // 2} from now on")
+    return micro // 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

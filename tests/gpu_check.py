@@ -294,10 +294,11 @@ def check_on_policy_and_pi_old(c: Check) -> None:
     d, first = first_step_ratio(policy, ro, args, micro)
     ok, detail = on_policy_verdict(float(d.abs().max()), int(first.sum()))
     # the update's log-probs equal pi_old's at the same size (above): pi_old at another size is what it would see
-    from plumbing.accumulate import score_rollout
+    from plumbing.accumulate import score_rows
 
-    mask = ro.completion_mask.float()
-    same, whole = (score_rollout(policy, ro, args.temperature, policy.device, size) for size in (micro, len(prompts)))
+    mask, on, rows = ro.completion_mask.float(), ro.to(policy.device), torch.arange(len(prompts), device=policy.device)
+    same, whole = (score_rows(lambda r: rollout.logprobs(policy, on, r, args.temperature), rows, size, size).cpu()
+                   for size in (micro, len(prompts)))
     d_other = (whole - same) * mask
     log_s = d_other.sum(1) / mask.sum(1).clamp(min=1)
     clipped = float((log_s.abs() > 3e-4).float().mean())

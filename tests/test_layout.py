@@ -82,12 +82,6 @@ def test_the_top_level_holds_the_design():
     assert {p.stem for p in ROOT.glob("*.py")} == CORE
 
 
-def test_train_py_reads_as_the_loop_in_at_most_400_lines():
-    """train.py is the page people read first: Args, sampling, the update, the step, the loop; plumbing lives in
-    plumbing/ (issue 35)."""
-    assert len((ROOT / "train.py").read_text().splitlines()) <= 400
-
-
 def test_the_core_does_not_import_the_research_tools():
     """The research tools are built on train.py, not the other way round (diagnostics, the study's per-step
     instrumentation, is the one tool the loop logs)."""
@@ -97,18 +91,21 @@ def test_the_core_does_not_import_the_research_tools():
 
 
 @pytest.mark.slow
-def test_one_rl_step_reads_in_under_450_lines_of_the_four_core_files():
-    """tools/step_lines.py runs one default step and counts the core lines it executes (the README's reading order
-    quotes it): at most 450 lines in train, rollout, rewards and losses, and at most 4 data-parallel calls."""
+def test_the_readme_quotes_the_lines_one_rl_step_reads():
+    """tools/step_lines.py runs one default step and counts the core lines it executes, and one iteration of the
+    loop followed the whole way; the README's reading order quotes both, which must be the measured ones (no gate on
+    the counts themselves: code is never moved to meet one)."""
     from tools import step_lines
 
     counted = step_lines.measure(step_lines.one_step("gspo"))
     assert set(counted) <= {"train", "rollout", "rewards", "losses"}, set(counted)
-    assert sum(c["lines"] for c in counted.values()) <= 450
-    assert len([w for c in counted.values() for w in c["world_calls"]]) <= 4
     assert "policy_loss" in counted["losses"]["functions"] and "generate" in counted["rollout"]["functions"]
+    whole = {a: step_lines.measure(step_lines.one_iteration(a), whole=True) for a in ("gspo", "dapo")}
+    lines_and_files = {a: (sum(c["lines"] for c in w.values()), len(w)) for a, w in whole.items()}
     # the README's reading order quotes these numbers: they are the measured ones
     readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"is **{lines_and_files['gspo'][0]} lines in {lines_and_files['gspo'][1]} files** "
+            f"({lines_and_files['dapo'][0]} for DAPO)") in readme, lines_and_files
     lines = {m: c["lines"] for m, c in counted.items()}
     quoted = (f"**{sum(lines.values())} lines of these four files** (train {lines['train']}, rollout {lines['rollout']}, "
               f"losses {lines['losses']}, rewards {lines['rewards']}; ")

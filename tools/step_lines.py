@@ -37,6 +37,38 @@ def top_level_spans(path: Path) -> list[tuple[int, int, ast.AST]]:
     return spans
 
 
+def every_function(run) -> set[tuple[Path, int]]:
+    """(file, first line of its code object) of every function of this repository (tests and this file aside) that
+    runs in the first iteration of the loop run() runs, from the first call of train.rl_step to the second (the
+    step, its metrics, its log line, its checks and checkpoint decision), whoever calls it, and the loop around it:
+    the whole path, as a reader who follows every call reads it."""
+    seen, steps = set(), []
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        path = Path(frame.f_code.co_filename)
+        if frame.f_code.co_name == "rl_step" and path == ROOT / "train.py":
+            steps.append(1)
+            caller = frame.f_back  # the loop around it (train.train) is on the path too
+            while len(steps) == 1 and caller is not None:
+                if ours(Path(caller.f_code.co_filename)):
+                    seen.add((Path(caller.f_code.co_filename), caller.f_code.co_firstlineno))
+                caller = caller.f_back
+        if len(steps) == 1 and ours(path):
+            seen.add((path, frame.f_code.co_firstlineno))
+
+    def ours(path: Path) -> bool:
+        return path.is_relative_to(ROOT) and "tests" not in path.parts and path != Path(__file__)
+
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
 def executed_functions(step) -> set[tuple[Path, int]]:
     """(file, first line of its code object) of every core function that runs inside step() on the reader's path:
     called by step's own code, i.e. the nearest caller of this repository (torch's decorators in between are not)
@@ -74,10 +106,11 @@ def executed_functions(step) -> set[tuple[Path, int]]:
     return seen
 
 
-def measure(step) -> dict:
-    """Lines per file of the functions that ran (a nested function's lines belong to the one around it)."""
+def measure(step, whole: bool = False) -> dict:
+    """Lines per file of the functions that ran (a nested function's lines belong to the one around it): those on
+    the core reader's path (executed_functions), or with `whole` every one (every_function)."""
     runs_in = defaultdict(set)  # file -> the top-level functions/methods that ran (by their first line)
-    for path, line in executed_functions(step):
+    for path, line in (every_function if whole else executed_functions)(step):
         for first, last, node in top_level_spans(path):
             if first <= line <= last:
                 runs_in[path].add((first, last, node))
@@ -112,6 +145,20 @@ def one_step(algo: str):
     return lambda: train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, cfg, args, gen, pi_old=pi_old)
 
 
+def one_iteration(algo: str):
+    """A function that runs `python train.py --algo ALGO --total-steps 2` in a temporary folder (the second step
+    ends the first iteration of its loop; no evaluation between them)."""
+    import tempfile
+
+    import train
+
+    def run():
+        with tempfile.TemporaryDirectory() as out:
+            train.train(train.Args(algo=algo, total_steps=2, eval_every=2, eval_size=4, output_dir=out,
+                                   wandb_mode="disabled", save_model=False))
+    return run
+
+
 def report(title: str, counted: dict) -> None:
     core = counted
     world = [w for c in core.values() for w in c["world_calls"]]
@@ -128,7 +175,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     for algo in ("gspo", "dapo"):
-        report(f"one RL step of --algo {algo}", measure(one_step(algo)))
+        report(f"one RL step of --algo {algo}, the core reader's path", measure(one_step(algo)))
+        report(f"one iteration of the loop, --algo {algo}, the whole path", measure(one_iteration(algo), whole=True))
 
 
 if __name__ == "__main__":

@@ -468,21 +468,23 @@ def test_scoring_passes_halve_under_torchrun_too():
     """pi_old's and the reference's passes hold no collective, so a rank halves alone (issue 45.7: under torchrun
     they raised instead); their size is remembered apart from the update's, which every rank splits alike."""
     from plumbing import lifecycle
-    from plumbing.accumulate import Accumulator
+    from plumbing.accumulate import MicroBatches, score_rows
     from plumbing.ddp import World
 
     lifecycle.AUTO_MICRO_BATCH.clear()
-    steps = Accumulator(None, None, None, World(rank=1, size=2), 0, 1.0, 8)
 
     def fits_two(rows):
         if len(rows) > 2:
             raise RuntimeError(OOM)
         return rows * 10
 
-    assert steps.score(fits_two, torch.arange(8), 8).tolist() == list(range(0, 80, 10))
+    assert score_rows(fits_two, torch.arange(8), 8, 0).tolist() == list(range(0, 80, 10))  # no world size to ask
     assert lifecycle.AUTO_MICRO_BATCH == {"score 8": 2}
+    step = MicroBatches(torch.arange(8), 0, World(rank=1, size=2), lambda: None)
     with pytest.raises(RuntimeError, match="allocate"):  # the update itself still refuses to halve alone
-        lifecycle.shrink_on_oom(lambda micro: fits_two(torch.arange(micro)), 8, 0, lambda: None, world_size=2)
+        for part in step:
+            with step.guard():
+                fits_two(part)
 
 
 def test_out_of_memory_in_a_periodic_evaluation_saves_the_step_and_is_one_line(tmp_path, tiny_policy_dir,
