@@ -651,7 +651,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
     clip/dual_frac       with dual-clip (clip_ratio_c): the fraction of tokens whose loss it capped
     clip/cov_frac        with Clip-Cov / KL-Cov: the fraction of tokens whose gradient it cut / that it penalised
-    The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is tools/diagnostics.py.
+    The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is in metrics.py.
     """
     mask = mask.to(logp.dtype)
     valid_tok, valid_seq = mask > 0, mask.sum(-1) > 0

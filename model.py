@@ -21,9 +21,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
-from plumbing import network
+from base import network
 import task
-from plumbing.errors import UserError
+from base.errors import UserError
 
 
 

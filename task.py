@@ -29,9 +29,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from plumbing import network
+from base import network
 import rewards
-from plumbing.errors import UserError
+from base.errors import UserError
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 DIVISORS = [d for d in range(3, 20) if 10 % d != 0]
@@ -100,6 +100,11 @@ def instruct_text(problem: Problem) -> str:
     """The same problem phrased for an instruct model (--dataset embedded-instruct, embedded-long-instruct)."""
     n, d = problem
     return f"What is the remainder when {n} is divided by {d}?"
+
+
+# the remainder task in its four forms: --dataset name -> (phrased for a chat model, the long task)
+EMBEDDED_TASKS = {"embedded": (False, False), "embedded-instruct": (True, False), "embedded-long": (False, True),
+                  "embedded-long-instruct": (True, True)}
 
 
 def default_splits(instruct: bool = False, long: bool = False) -> tuple[list[Example], list[Example]]:

@@ -11,7 +11,7 @@ bookkeeping (plumbing/) that changes nothing learned.
 
 from __future__ import annotations
 
-from plumbing import early
+from base import early
 
 if __name__ == "__main__":
     early.install()  # Ctrl-C while the libraries below load (seconds): one line, not an import traceback
@@ -24,15 +24,17 @@ from typing import Literal
 import torch
 
 import losses
+import metrics
 import model as models
 import rewards
 import rollout
 import task
 from losses import LossConfig
-from plumbing import ddp, errors, flags, lifecycle, logs, run as runs, settings
+from base import errors
+from plumbing import ddp, flags, lifecycle, logs, run as runs, settings
 from plumbing.accumulate import MicroBatches, StepLog, score_rows
 from plumbing.ddp import SINGLE, World
-from plumbing.errors import DynamicSamplingError
+from base.errors import DynamicSamplingError
 from plumbing.run import PromptStream
 
 
@@ -130,6 +132,8 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     # rewards and DAPO's sampling
     dynamic_sampling: bool | None = None
     """DAPO: re-draw prompts until every group has mixed correctness"""
+    max_sampling_rounds: int = 8
+    """dynamic sampling gives up with an error after this many rollouts in one step"""
     overlong_weight: float | None = None
     """weight of DAPO's soft overlong punishment"""
     overlong_cache: int = 16
@@ -283,7 +287,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         perm = torch.randperm(b, generator=gen).to(device)
         for mb in perm.split(mb_size):
             step_cfg = cfg if entropy_control is None else replace(cfg, entropy_coef=entropy_control.applied())
-            norm = world.step_norm(mask[mb], args.max_new_tokens)  # B and sum_i |y_i| of the step, over every rank
+            norm = losses.StepNorm(*world.step_totals(mask[mb]), args.max_new_tokens)  # B, sum |y_i|: every rank's
             step = MicroBatches(mb, args.micro_batch_size, world, lambda: optimizer.zero_grad(set_to_none=True))
             for part in step:  # gradient accumulation (PLUMBING: begun again at half the rows after out-of-memory)
                 with step.guard():  # PLUMBING: under torchrun DDP all-reduces on the last micro-batch only
@@ -299,7 +303,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             if entropy_control:  # ALGO: Skywork-OR1's controller moves the coefficient after every optimizer step
                 entropy_control.after_step(step.seen, mask, cfg.top_entropy_quantile, world.sum)
     on_policy = source == "on-policy"
-    diag = logs.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy,
+    diag = metrics.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy,
                                ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
     control = {} if entropy_control is None else {"entropy/coef": entropy_control.coef}  # where the controller stands
     return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
@@ -335,14 +339,14 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     adv_all = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
     adv = world.shard(adv_all)  # (B_r,) this rank's rows
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
-    metrics = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old,
+    logged = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old,
                      entropy_control)
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
-    metrics.update(logs.rollout_metrics(batch, adv_all, args.num_generations, drawn_correct, drawn,
+    logged.update(metrics.rollout_metrics(batch, adv_all, args.num_generations, drawn_correct, drawn,
                                         drawn - args.num_prompts, world, args.mask_truncated))
-    metrics.update(logs.timing(batch, t1 - t0, t2 - t1, scheduler.get_last_lr()[0], world))
-    return batch, metrics
+    logged.update(metrics.timing(batch, t1 - t0, t2 - t1, scheduler.get_last_lr()[0], world))
+    return batch, logged
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,7 +368,7 @@ def train(args: Args) -> dict:
     run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, source)
     pi_old = source(run.policy)
 
-    stop, metrics, run.started = lifecycle.GracefulStop(), run.before, time.time()
+    stop, logged, run.started = lifecycle.GracefulStop(), run.before, time.time()
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
     failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler, world.size)
     watch = lifecycle.Watch(args, run.train_set[0].answer)  # non-finite streaks stop the run; others warn once
@@ -372,21 +376,21 @@ def train(args: Args) -> dict:
         for step in range(run.first_step, args.total_steps + 1):
             # ALGO: one RL step
             with failures(step):
-                _, metrics = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
+                _, logged = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
                                      run.stream, cfg, args, run.gen, world, pi_old, run.entropy_control)
             # PLUMBING: evaluation, logging, checkpoints, signals
-            metrics["perf/elapsed_min"] = run.minutes()
+            logged["perf/elapsed_min"] = run.minutes()
             evaluated = step % args.eval_every == 0 or step == args.total_steps
             if evaluated:
                 with failures.evaluating(step):
                     held_out, shown = run.evaluate(step)
-                metrics.update(held_out)
-            run.logger.log(metrics, step=step)
+                logged.update(held_out)
+            run.logger.log(logged, step=step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)
-            print(logs.console_line(step, args.total_steps, metrics, eta, cfg.importance_sampling_level), flush=True)
+            print(logs.console_line(step, args.total_steps, logged, eta, cfg.importance_sampling_level), flush=True)
             if evaluated:
-                print(logs.eval_lines(f"at step {step}", metrics, shown, len(run.test_set)), flush=True)
-            watch.check(step, metrics)
+                print(logs.eval_lines(f"at step {step}", logged, shown, len(run.test_set)), flush=True)
+            watch.check(step, logged)
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped
     except BaseException:
@@ -394,13 +398,13 @@ def train(args: Args) -> dict:
         raise
     finally:
         stop.restore()
-    return runs.finish_run(run, metrics)
+    return runs.finish_run(run, logged)
 
 
 def main(argv: list[str] | None = None) -> None:
     cli = flags.default_hints(flags.docstrings_as_help(Args), runs.help_defaults())
     args = flags.parse(cli, __doc__.split("\n\n")[0], argv)  # a parse error is one `error:` line, as every other bad input
-    with errors.one_line_errors():  # a user error is one `error: ...` line and exit code 2, not a traceback
+    with errors.one_line_errors(cleanup=ddp.teardown):  # a user error: one `error: ...` line and exit code 2
         train(args)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing.errors import UserError
+from base.errors import UserError
 
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",

@@ -23,14 +23,12 @@ import contextlib
 import datetime
 import inspect
 import os
-import re
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from losses import StepNorm
 
 # Seed offset between ranks: rank 0 keeps the single-process seed, so a 1-process run is unchanged.
 RANK_SEED_STRIDE = 100_003
@@ -93,10 +91,10 @@ class World:
             out.append(torch.cat(pieces))
         return tuple(out)
 
-    def step_norm(self, mask: torch.Tensor, max_new_tokens: int) -> StepNorm:
-        """B and sum |y_i| of an optimizer step over every rank's rows (mask: this rank's (B_r, T))."""
+    def step_totals(self, mask: torch.Tensor) -> tuple[int, int]:
+        """(B, sum |y_i|) of an optimizer step over every rank's rows (mask: this rank's (B_r, T))."""
         seqs, tokens = self.sum([mask.shape[0], float(mask.sum())])
-        return StepNorm(int(seqs), int(tokens), max_new_tokens)
+        return int(seqs), int(tokens)
 
     def backward(self, loss: torch.Tensor) -> None:
         """DDP averages gradients over the N ranks; each rank's loss already carries the global normaliser, so it is
@@ -159,20 +157,6 @@ def launched() -> bool:
     """Started by torchrun, even with one process: `torchrun --nproc-per-node 1` runs the distributed code path
     (process group, DDP) and must give exactly the metrics of `python train.py` (tested)."""
     return "WORLD_SIZE" in os.environ
-
-
-def is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because another rank died or timed out (gloo and NCCL word it differently)."""
-    text = str(e).lower()
-    return launched() and (isinstance(e, getattr(dist, "DistNetworkError", ())) or any(w in text for w in (
-        "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "aborted", "watchdog",
-        "remote process")))  # the last: NCCL's ncclRemoteError ("... a remote process exiting prematurely")
-
-
-def first_line(e: BaseException) -> str:
-    """The gist of a collective's error: its first line without gloo's '[source.cc:123]' prefix."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
-    return text.splitlines()[0][:120] if text else type(e).__name__
 
 
 def setup(device: str, timeout_min: float = 30.0) -> World:

@@ -6,7 +6,7 @@
     check_prompt_lengths(...) prompts that fit the model's context with --max-new-tokens
     docstrings_as_help(cls)   each Args field's docstring is its --help text; default_hints shows derived defaults
 
-The first wrong value is one ConfigError (errors.py): one line, exit code 2.
+The first wrong value is one ConfigError (base/errors.py): one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 from plumbing import ddp
 import losses
 import model as models
-from plumbing import network
+from base import network
 import rewards
 import rollout
-from plumbing.errors import ConfigError
+from base.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
 # Every flag

@@ -25,7 +25,7 @@ import torch
 
 from plumbing import checkpoint
 from plumbing import flags
-from plumbing.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OptimizerOutOfMemory,
+from base.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OptimizerOutOfMemory,
                              OutOfMemory)
 
 # ---------------------------------------------------------------------------------------------------------------

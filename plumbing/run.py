@@ -22,9 +22,8 @@ import rewards
 import task
 from losses import LossConfig
 from plumbing import checkpoint, ddp, flags, lifecycle, logs
-from plumbing.errors import ConfigError
+from base.errors import ConfigError
 from plumbing.ddp import SINGLE, World
-from plumbing.logs import EMBEDDED_TASKS
 
 
 # Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
@@ -36,7 +35,7 @@ DATASET_DEFAULTS = {"embedded-long(-instruct)": dict(max_new_tokens=task.LONG_MA
 
 def dataset_defaults(dataset: str, model: str) -> dict:
     """The defaults that depend on --dataset (the embedded model, whose context is 128 tokens, keeps 64 anywhere)."""
-    if EMBEDDED_TASKS.get(dataset, (False, False))[1]:  # the long task, in either phrasing
+    if task.EMBEDDED_TASKS.get(dataset, (False, False))[1]:  # the long task, in either phrasing
         return DATASET_DEFAULTS["embedded-long(-instruct)"]
     pretrained = not dataset.startswith("embedded") and model != "embedded"
     return DATASET_DEFAULTS["a file or hub dataset with a pretrained --model" if pretrained else "*"]
@@ -141,8 +140,8 @@ def load_data(args) -> tuple[list[task.Example], list[task.Example]]:
     set, and a file or hub --dataset keeps every row for training (an embedded task keeps its training split)."""
     if args.dataset == "embedded-add":
         train, test = task.addition_splits()
-    elif args.dataset in EMBEDDED_TASKS:
-        instruct, long = EMBEDDED_TASKS[args.dataset]
+    elif args.dataset in task.EMBEDDED_TASKS:
+        instruct, long = task.EMBEDDED_TASKS[args.dataset]
         train, test = task.default_splits(instruct=instruct, long=long)
     else:
         train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,

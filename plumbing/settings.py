@@ -98,8 +98,6 @@ class SafetyNets:
     """replace an existing run folder of the same name instead of refusing"""
     max_nonfinite_steps: int = 3
     """stop after this many steps in a row whose every update had a non-finite loss or gradient"""
-    max_sampling_rounds: int = 8
-    """dynamic sampling gives up with an error after this many rollouts in one step"""
 
 
 def own_fields_first(cls):

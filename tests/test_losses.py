@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tools import diagnostics
+import metrics as diagnostics
 import losses
 from losses import PRESETS, LossConfig, StepNorm
 

@@ -112,7 +112,7 @@ def test_sampler_logprobs_are_those_of_the_logits_generate_drew_from(tiny_policy
 
 
 def test_mismatch_metrics_read_what_they_say():
-    from tools import diagnostics
+    import metrics as diagnostics
 
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     mu = torch.full((2, 4), -1.0)

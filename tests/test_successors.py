@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tools import diagnostics
+import metrics as diagnostics
 import losses
 from losses import PRESETS, StepNorm
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plumbing import errors
+from base import errors
 from plumbing import lifecycle
-from plumbing import network
+from base import network
 import rewards
 import rollout
 import train

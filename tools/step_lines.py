@@ -1,14 +1,15 @@
-"""How many lines a reader follows through one RL step: `python -m tools.step_lines` (about a minute on a CPU).
+"""How many lines a reader follows through one RL step: `python -m tools.step_lines` (a minute or two on a CPU).
 
-Measured by running it: one step of `python train.py --algo gspo` (the default task, embedded model, seed 0) under
-a profiler hook that records every function of this repository that executes inside `train.rl_step`. Each such
-function counts with all its lines (signature, docstring, comments; a nested function is part of the one around
-it; a method counts alone, not its class), once. A core function counts when core code calls it: the diagnostics
-that plumbing/logs.py computes from losses.py for the logs are not on the reader's path. Class bodies that only declare fields (Args, Batch, Rollout's fields)
-run no code and are not counted. The core files (train, rollout, rewards, losses, model, task) are what a reader
-follows; plumbing/ and tools/ are listed apart (they change nothing learned), as are torch and transformers (not
-counted, as torch's internals are not part of cleanrl's ~155). A dapo step is measured the same way, for its
-dynamic sampling. Also counted: the data-parallel calls (`world.<name>(...)`) written in the core functions run.
+Measured by running it, two ways, for `--algo gspo` (the default task, embedded model, seed 0) and for dapo:
+  the core reader's path   one step (train.rl_step) under a profiler hook: every function of the core files (train,
+                           rollout, rewards, losses, model, task) that core code calls. metrics.py (what the step
+                           logs), plumbing/ and base/ change nothing learned and are not followed.
+  the whole path           one iteration of train.py's loop, from the first rl_step to the second: every function of
+                           the project that runs, whoever calls it (plumbing, the logged metrics, the loop itself).
+Each function counts with all its lines (signature, docstring, comments; a nested function is part of the one around
+it; a method counts alone, not its class), once. Class bodies that only declare fields (Args, Batch, Rollout's
+fields) run no code and are not counted, nor are torch and transformers (as torch's internals are not part of
+cleanrl's ~155). Also counted: the data-parallel calls (`world.<name>(...)`) written in the functions that run.
 """
 
 from __future__ import annotations

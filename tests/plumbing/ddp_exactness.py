@@ -40,8 +40,8 @@ CASES = {  # name: (micro-batch size, epochs, groups split by length?, LoRA rank
 class LocalNormWorld(ddp.World):
     """The pitfall: each rank normalises by its own rows and tokens, and DDP averages the ranks' gradients."""
 
-    def step_norm(self, mask, max_new_tokens):
-        return losses.StepNorm.of(mask, max_new_tokens)
+    def step_totals(self, mask):
+        return mask.shape[0], int(mask.sum())
 
     def backward(self, loss):
         loss.backward()

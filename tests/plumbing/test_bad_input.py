@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from plumbing import checkpoint
-from plumbing import errors
+from base import errors
 import train
 from plumbing import run as runs
 
@@ -326,7 +326,7 @@ def test_hub_dataset_fails_within_seconds(tmp_path, capsys, monkeypatch, tiny_po
 def test_hub_dataset_without_the_datasets_package(tmp_path, capsys, monkeypatch, tiny_policy_dir):
     import builtins
 
-    from plumbing import network
+    from base import network
 
     monkeypatch.setattr(network, "hub_offline", lambda: False)  # as if the hub answered
 

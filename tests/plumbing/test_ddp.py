@@ -140,7 +140,7 @@ def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monk
     """torchrun stops every process once one exits: had rank 1 exited at once on a bad flag, rank 0 could be killed
     before printing it (seen once in CI: no error line at all; reproduced by delaying rank 0 by 3 s). Rank 1 now
     waits, with SIGTERM at its default so that torchrun's stop ends the wait; a per-rank error is its own to print."""
-    from plumbing import errors
+    from base import errors
 
     waits, handlers = [], []
     monkeypatch.setattr(errors.time, "sleep", waits.append)
@@ -159,7 +159,7 @@ def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monk
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
     """NCCL needs a GPU per process: torchrun with 2 processes on a 1-GPU machine is refused before any set-up."""
-    from plumbing import errors
+    from base import errors
     from plumbing import flags
     import train
     from plumbing import run as runs
@@ -176,7 +176,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
 
 
 def test_peer_failures_are_told_apart_from_bugs(monkeypatch):
-    from plumbing import ddp
+    from base import errors
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "
@@ -184,10 +184,11 @@ def test_peer_failures_are_told_apart_from_bugs(monkeypatch):
                         "remote process exiting prematurely.")
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert not ddp.is_peer_failure(gloo)  # no torchrun: no other process to blame
+    assert not errors.is_peer_failure(gloo)  # no torchrun: no other process to blame
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert ddp.is_peer_failure(gloo) and ddp.is_peer_failure(nccl) and not ddp.is_peer_failure(bug)
-    assert ddp.first_line(gloo) == "Connection closed by peer [127.0.0.1]:1"
+    assert errors.is_peer_failure(gloo) and errors.is_peer_failure(nccl) and not errors.is_peer_failure(bug)
+    assert errors.is_peer_failure(torch.distributed.DistNetworkError("store timed out"))
+    assert errors.first_line(gloo) == "Connection closed by peer [127.0.0.1]:1"
 
 
 def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir):

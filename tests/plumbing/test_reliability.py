@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plumbing import checkpoint
-from tools import diagnostics
+import metrics as diagnostics
 from plumbing import lifecycle
 import losses
 import rewards

@@ -2,17 +2,17 @@
 
 Every such exception is a UserError (the flags' ConfigError here; model.ModelError, task.TaskError,
 checkpoint.CheckpointError beside the code that raises them). `one_line_errors()` around train() prints one as a
-single line, once per torchrun job; anything else is a bug and keeps its traceback. Imports only ddp (the rank).
+single line, once per torchrun job; anything else is a bug and keeps its traceback. Imports nothing of the project.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import signal
 import sys
 import time
-
-from plumbing import ddp
 
 
 class UserError(Exception):
@@ -51,24 +51,42 @@ PER_RANK = (OutOfMemory, PeerFailure)  # the errors one rank can meet alone; eve
 
 
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors(cleanup=lambda: None):
     """Around train(): a user error (a UserError, or under torchrun a collective that failed because another rank
-    died) is printed as one line and exits with code 2; anything else is a bug and keeps its traceback."""
+    died) is printed as one line and exits with code 2; anything else is a bug and keeps its traceback. `cleanup`
+    runs last whatever happened (train.py leaves the process group there)."""
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun (or another env:// launcher) this process's rank
     try:
         yield
     except UserError as e:
-        report(e, ddp.rank())
-        if ddp.rank() != 0 and not isinstance(e, PER_RANK):
+        report(e, rank)
+        if rank != 0 and not isinstance(e, PER_RANK):
             wait_for_rank_zero()
         sys.exit(2)
     except RuntimeError as e:
-        if not ddp.is_peer_failure(e):
+        if not is_peer_failure(e):
             raise
-        report(PeerFailure(f"another process of this torchrun job stopped ({ddp.first_line(e)}); torchrun's report "
-                           "names it and its exit code"), ddp.rank())
+        report(PeerFailure(f"another process of this torchrun job stopped ({first_line(e)}); torchrun's report "
+                           "names it and its exit code"), rank)
         sys.exit(2)
     finally:
-        ddp.teardown()
+        cleanup()
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Under torchrun, a collective that failed because another rank died or timed out (gloo and NCCL word it
+    differently; torch.distributed's DistNetworkError says so by its type)."""
+    text = str(e).lower()
+    by_type = any(cls.__name__ == "DistNetworkError" for cls in type(e).__mro__)
+    return "WORLD_SIZE" in os.environ and (by_type or any(w in text for w in (
+        "connection closed", "connection reset", "broken pipe", "timed out", "timeout", "aborted", "watchdog",
+        "remote process")))  # the last: NCCL's ncclRemoteError ("... a remote process exiting prematurely")
+
+
+def first_line(e: BaseException) -> str:
+    """The gist of a collective's error: its first line without gloo's '[source.cc:123]' prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
+    return text.splitlines()[0][:120] if text else type(e).__name__
 
 
 def wait_for_rank_zero(seconds: float = 10.0) -> None:

@@ -1,0 +1,182 @@
+"""What a step logs, in one place: the rollout's metrics (rewards, correctness, lengths), the update's (the card's
+ratio variance and clip fractions, losses.ratio_diagnostics, over every row the update scored), and the study's
+instrumentation beside them (what every paper preset would clip on the same batch, SAPO's gate, the ratio spread
+by response length, the sampler-trainer mismatch). Everything here reads what the step already computed and
+changes nothing that is learned. `world` is plumbing.ddp's World: a logged statistic is that of the whole rollout,
+every rank's rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import losses
+from losses import PRESETS, clip_fraction_of, masked_mean, masked_seq_mean, sapo_gate_slope
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step's metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tensor, drawn: int, dropped: int, world,
+                    mask_truncated: bool = False) -> dict:
+    """Rewards, lengths and advantages of the whole rollout (every rank's rows; adv: (B,), already every rank's),
+    and the correctness of every group drawn (drawn_correct: (groups, G), this rank's; with dynamic sampling, also
+    the groups it dropped)."""
+    correct_drawn = torch.cat(world.gather_rows(drawn_correct))  # (groups drawn, G) over all ranks
+    scores = {k: [v for part in world.gather(batch.scores) for v in part[k]] for k in batch.scores}
+    lengths, truncated = world.gather_rows(batch.ro.lengths.float(), batch.ro.truncated.float())
+    reward = torch.tensor(scores["reward"])
+    correct = torch.tensor(scores["correct"]).bool()
+    m = {
+        "dynamic/drawn": drawn, "dynamic/dropped": dropped,
+        "charts/all_wrong_group_frac": float((correct_drawn.max(1).values == 0).float().mean()),
+        "charts/all_right_group_frac": float((correct_drawn.min(1).values == 1).float().mean()),
+        "charts/reward": float(reward.mean()),
+        "charts/reward_std": float(reward.std()),
+        "charts/accuracy": float(correct.float().mean()),
+        "charts/zero_std_group_frac": float((reward.view(-1, g).std(1) == 0).float().mean()),
+        "charts/completion_len": float(lengths.mean()),
+        "charts/completion_len_min": float(lengths.min()),
+        "charts/completion_len_max": float(lengths.max()),
+        "charts/truncated_frac": float(truncated.mean()),
+        "charts/advantage_abs": float(adv.abs().mean()),
+    }
+    m.update({f"rewards/{k}": float(np.mean(v)) for k, v in scores.items() if k != "reward"})
+    if mask_truncated:  # --mask-truncated: the completions the loss left out
+        m["charts/masked_frac"] = float(truncated.mean())
+    # Dr.GRPO's length-bias claim is about these two; a key is left out when its set is empty
+    if correct.any():
+        m["charts/len_correct"] = float(lengths[correct].mean())
+    if (~correct).any():
+        m["charts/len_incorrect"] = float(lengths[~correct].mean())
+    # the same, free of which prompts are wrong: in each group with both kinds, mean incorrect over mean correct
+    # length, averaged over those groups (> 1: wrong answers run longer than right ones to the same prompt)
+    by_group, right = lengths.view(-1, g), correct.view(-1, g).float()
+    mixed = (right.sum(1) > 0) & (right.sum(1) < g)
+    if mixed.any():
+        wrong = 1 - right
+        mean_wrong = (by_group * wrong).sum(1) / wrong.sum(1).clamp(min=1)  # (groups,)
+        mean_right = (by_group * right).sum(1) / right.sum(1).clamp(min=1)  # (groups,)
+        rel = mean_wrong / mean_right.clamp(min=1)
+        m["charts/len_incorrect_rel"] = float(rel[mixed].mean())
+    return m
+
+
+def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tensor, mask: torch.Tensor,
+                   cfg: losses.LossConfig, world, mu: torch.Tensor | None = None,
+                   correction: tuple | None = None) -> dict:
+    """The GSPO paper's diagnostics over every row scored during the update (on every rank), each against pi_old:
+    the statistics of the ratios the objective actually saw. `seen`: (rows, log-probs, entropy or None) per
+    micro-batch; old_logp None means on-policy (the ratio is 1; the entropy is the one scored during the update),
+    else old_entropy is pi_old's over the whole rollout. With `mu` (the sampler's log-probs, where pi_old is
+    recomputed) also the train-inference mismatch, and with `correction` what --rollout-correction did."""
+    on_policy = old_logp is None
+    rows = torch.cat([r for r, _, _ in seen])
+    new = torch.cat([lp for _, lp, _ in seen])  # (n, T)
+    old_all = new if on_policy else old_logp[rows]
+    entropy_seen = torch.cat([e for _, _, e in seen]) if on_policy else None
+    kl = None if ref_logp is None else losses.k3_kl(new, ref_logp[rows])
+    new, old_all, adv_seen, mask_seen, entropy_seen, kl, mu_seen = world.gather_rows(
+        new, old_all, adv[rows], mask[rows], entropy_seen, kl, None if mu is None else mu[rows])
+    diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)  # the card's: ratio variance, clipping
+    diag.update(study_metrics(new, old_all, adv_seen, mask_seen))  # the study's instrumentation
+    metrics = {
+        "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
+        else losses.masked_mean(*world.gather_rows(old_entropy, mask)),  # pi_old's, over the whole rollout
+        **{("losses/" + k if k == "approx_kl" else k): v for k, v in diag.items()},
+    }
+    if kl is not None:
+        metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
+    if mu_seen is not None:
+        metrics.update(mismatch_metrics(old_all, mu_seen, mask_seen))
+    if cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0:  # what the entropy controls touched
+        masked = trained = weighted = 0.0
+        for part, _, e in seen:  # per micro-batch, as the loss saw them
+            valid = mask[part]
+            kept = losses.trained_tokens(e, valid, cfg.top_entropy_quantile)
+            masked, trained, weighted = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
+                weighted + float((e * kept).sum())
+        masked, trained, weighted, tokens = world.sum([masked, trained, weighted, float(mask[rows].sum())])
+        metrics["entropy/masked_frac"] = masked / max(tokens, 1)  # the share of tokens without a policy gradient
+        metrics["entropy/bonus"] = cfg.entropy_coef * weighted / max(trained, 1)  # coef x their mean entropy
+    if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
+        level, kind = correction[0].split("_")
+        raw = losses.rollout_ratio(old_all, mu_seen, mask_seen, level)
+        w = losses.bound_rollout_ratio(raw, kind, *correction[1:])
+        units = mask_seen if w.shape == mask_seen.shape else (mask_seen.sum(-1, keepdim=True) > 0).float()
+        metrics["correction/weight_mean"] = losses.masked_mean(w, units)
+        metrics["correction/changed_frac"] = losses.masked_mean((w != raw).float(), units)
+    return metrics
+
+
+def timing(batch, rollout_s: float, update_s: float, lr: float, world) -> dict:
+    tokens = world.sum([float(batch.ro.lengths.sum())])[0]  # generated over all ranks
+    return {"charts/lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
+            "perf/gen_tokens_per_s": tokens / rollout_s}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The study's instrumentation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def study_metrics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> dict[str, float]:
+    """Per update, over the rows it scored (all against pi_old):
+    clip/shadow_<algo>       the fraction each paper preset would clip on this same batch (losses.clip_fraction_of)
+    clip/sapo_gate_mean      mean over tokens of SAPO's gradient weight f'(rho) at SAPO's temperatures (1 on-policy)
+    lenbucket/q<k>_<stat>    per quartile of response length: mean length, std of sum_t l_it and of log s_i
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp) * mask  # (B, T)
+    adv_tok = (advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)).expand_as(logp)  # (B, T)
+    out = {f"clip/shadow_{name}": clip_fraction_of(preset, log_ratio, adv_tok, mask) for name, preset in PRESETS.items()}
+    out["clip/sapo_gate_mean"] = masked_mean(sapo_gate_slope(torch.exp(log_ratio), adv_tok, PRESETS["sapo"]), mask)
+    for q, bucket in enumerate(length_bucket_stats(logp, old_logp, mask), 1):
+        out.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
+    return out
+
+
+MISMATCH_TOKEN = 0.2  # |log pi_old - log mu| beyond GRPO's clip range, roughly (log 1.2 = 0.18, -log 0.8 = 0.22)
+MISMATCH_SEQ = 3e-4  # |mean_t log pi_old - log mu| beyond GSPO's clip range: clipped at theta = theta_old
+
+
+def mismatch_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train-inference mismatch, d_it = log pi_old(y_it) - log mu(y_it) over valid tokens: mean and max |d|, the k3
+    estimate of KL(mu || pi_old) (tokens are drawn from mu: E_mu[(r - 1) - log r], r = pi_old / mu), the spread of
+    the sequences' mean d (GSPO's log s_i at theta = theta_old), and the fractions beyond the thresholds above."""
+    d = (old_logp - sampler_logp) * mask  # (B, T)
+    valid = mask > 0
+    seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return {"mismatch/abs_mean": masked_mean(d.abs(), mask), "mismatch/abs_max": float(d.abs().max()),
+            "mismatch/kl_k3": masked_mean(torch.expm1(d) - d, mask),
+            "mismatch/seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
+            "mismatch/seq_abs_max": float(seq.abs().max()),
+            "mismatch/token_frac": float((d.abs() > MISMATCH_TOKEN)[valid].float().mean()),
+            "mismatch/seq_frac": float((seq.abs() > MISMATCH_SEQ).float().mean())}
+
+
+def length_bucket_stats(logp: Tensor, old_logp: Tensor, mask: Tensor, num_buckets: int = 4) -> list[dict]:
+    """Per response-length bucket (quantiles of |y|): mean length, std of sum_t l_it and of log s_i.
+
+    For i.i.d. token log-ratio noise of std sigma, std(sum_t l_it) = sigma sqrt(|y|) grows with length while
+    std(log s_i) = sigma / sqrt(|y|) shrinks: the two quantities the GSPO argument is about.
+    """
+    mask = mask.to(logp.dtype)
+    lengths = mask.sum(-1)  # (B,)
+    log_ratio = (logp - old_logp) * mask
+    sums, log_s = log_ratio.sum(-1), masked_seq_mean(log_ratio, mask)  # (B,), (B,)
+    order = torch.argsort(lengths, stable=True)
+    out = []
+    for idx in torch.tensor_split(order, num_buckets):
+        if len(idx) < 2:
+            continue
+        out.append({
+            "len": float(lengths[idx].mean()),
+            "std_logsum": float(sums[idx].std()),
+            "std_log_s": float(log_s[idx].std()),
+        })
+    return out
