@@ -215,12 +215,59 @@ def shape_of_config(c: dict, name: str = "") -> Shape:
     return Shape(name, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab, heads, q)
 
 
+class EstimateError(ValueError):
+    """A model or a setting this estimate cannot read; the message says what to pass instead."""
+
+
 def shape_of(path: str) -> Shape:
-    """A decoder's Shape from its config.json alone (a model folder or the file): no weights are read."""
+    """A decoder's Shape from its config alone, no weights read: a model folder or its config.json, a .gguf file
+    (its metadata), or a hub id (its config.json, where the hub or its cache has it)."""
     import json
 
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    return shape_of_config(json.loads(file.read_text()), file.parent.name or file.stem)
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        if (local / "adapter_config.json").is_file():
+            base = json.loads((local / "adapter_config.json").read_text()).get("base_model_name_or_path", "?")
+            raise EstimateError(f"{path} holds a LoRA adapter, not a model; pass its base model ({base}) with "
+                               "--lora-rank R")
+        raise EstimateError(f"{path} has no config.json; pass a model folder (save_pretrained), its config.json, a "
+                           ".gguf file or a hub id")
+    if local.is_dir() or local.suffix == ".json":
+        file = local / "config.json" if local.is_dir() else local
+        try:
+            config, name = json.loads(file.read_text()), file.parent.name or file.stem
+        except (OSError, ValueError) as e:
+            raise EstimateError(f"cannot read {file}: {str(e).splitlines()[0][:160]}")
+    else:
+        config, name = config_of(path), Path(path).name.removesuffix(".gguf")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                           "num_attention_heads") if not isinstance(config.get(k), int)]
+    if missing:
+        raise EstimateError(f"the config of {path} has no {', '.join(missing)}: not a decoder whose memory this "
+                           "estimates (a Llama-, Qwen- or Mistral-shaped causal language model)")
+    return shape_of_config(config, name)
+
+
+def config_of(name: str) -> dict:
+    """The config of a .gguf file (its metadata, through transformers) or of a hub id (its config.json alone)."""
+    from transformers import AutoConfig
+
+    from base import network
+
+    local = Path(name).expanduser()
+    if local.suffix == ".gguf" and not local.is_file():
+        raise EstimateError(f"{name}: no such file")
+    if local.suffix != ".gguf" and (name.startswith(("/", ".", "~")) or name.count("/") != 1):
+        raise EstimateError(f"{name} is neither a model folder, a config.json, a .gguf file nor a hub id (owner/name)")
+    kwargs = {"gguf_file": local.name} if local.suffix == ".gguf" else \
+        {"local_files_only": True} if network.hub_offline() else {}
+    try:
+        return AutoConfig.from_pretrained(str(local.parent) if "gguf_file" in kwargs else name, **kwargs).to_dict()
+    except Exception as e:  # loaders raise many types; all mean "cannot read it"
+        where = "" if "gguf_file" in kwargs else " (the hub is unreachable and has no cached copy)" \
+            if kwargs else ""
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise EstimateError(f"cannot read the config of {name}{where}: {first}")
 
 
 class Peak:
@@ -365,7 +412,8 @@ class MemoryArgs:
     """The tables of docs/reference.md, the check that measures the estimate, or the estimate for one model at your
     settings."""
     model: str = ""
-    """a model folder or its config.json: print this model's estimate at the settings below (no weights are read)"""
+    """a model folder or its config.json, a .gguf file or a hub id: print this model's estimate at the settings below
+    (no weights are read)"""
     num_prompts: int = 16
     """P, as train.py's"""
     num_generations: int = 8
@@ -397,8 +445,24 @@ class MemoryArgs:
     """internal: one measurement in this process (JSON settings), printed as JSON"""
 
 
+def check(a: MemoryArgs) -> None:
+    """The settings of --model's estimate, as train.py would take them."""
+    for name in ("num_prompts", "num_generations", "num_minibatches", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            raise EstimateError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    for name in ("prompt_tokens", "lora_rank", "micro_batch_size"):
+        if getattr(a, name) < 0:
+            raise EstimateError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be 0 or more")
+    if (a.num_prompts * a.num_generations) % a.num_minibatches:
+        raise EstimateError(f"--num-minibatches {a.num_minibatches} does not divide the {a.num_prompts} x "
+                           f"{a.num_generations} rows of a rollout")
+    if a.beta < 0:
+        raise EstimateError(f"--beta {a.beta}: must be 0 or more")
+
+
 def for_model(a: MemoryArgs) -> str:
     """One model at the given settings: each part of the estimate, and the rows per forward that fit on each card."""
+    check(a)
     s = shape_of(a.model)
     minibatch = a.num_prompts * a.num_generations // a.num_minibatches
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
@@ -423,16 +487,21 @@ def for_model(a: MemoryArgs) -> str:
 
 if __name__ == "__main__":
     import json
+    import sys
 
     import tyro
 
     a = tyro.cli(MemoryArgs, description=__doc__)
-    if a.worker:
+    if a.model:
+        try:
+            print(for_model(a))
+        except EstimateError as e:  # one line, exit 2, as train.py's refusals
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    elif a.worker:
         print(json.dumps(measure_update(**json.loads(a.worker))))
     elif a.measure:
         print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device), flush=True)
         measure(device=a.device, dtype=a.dtype)
-    elif a.model:
-        print(for_model(a))
     else:
         print(table() + "\n\n" + fits_table())

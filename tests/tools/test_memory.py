@@ -152,3 +152,32 @@ def test_the_activation_estimate_is_what_autograd_saves(setup, autocast):
     if "checkpointing" not in setup:  # (the recomputed layer comes in the backward: not saved in the forward)
         # outside the layers (embeddings, rotary tables, the final norm) only roughly: a few hundred bytes per token
         assert abs(estimate[2] / per[2] - 1) < 0.05, (per, estimate)
+
+
+@pytest.mark.slow
+def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
+    """Issue 50.2: a hub id with no hub, a .gguf that is not there, a LoRA run's final/, a folder without a config,
+    a config without the decoder's numbers, a negative budget: each one `error:` line and exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-1.5B"}))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    cases = [(["--model", str(tmp_path / "missing.gguf")], "no such file"),
+             (["--model", str(adapter)], "holds a LoRA adapter, not a model; pass its base model (Qwen/Qwen2.5-1.5B)"),
+             (["--model", str(tmp_path / "empty")], "has no config.json"),
+             (["--model", str(tmp_path / "odd")], "has no num_hidden_layers"),
+             (["--model", str(tmp_path / "model"), "--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),
+             (["--model", str(tmp_path / "model"), "--num-minibatches", "3"], "does not divide")]
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    cases.append((["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model"))
+    for argv, message in cases:
+        out = subprocess.run([sys.executable, "-m", "tools.memory", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
