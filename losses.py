@@ -52,7 +52,10 @@ AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"
 Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"]
 Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"]
 KLEstimator = Literal["k1", "k2", "k3"]
+KLIn = Literal["loss", "reward"]
 ScaleRewards = Literal["group", "batch", "none"]
+RolloutCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+Algo = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo"]  # the keys of PRESETS (tested)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class LossConfig:
     advantage_estimator: Estimator = "grpo"  # how rewards become advantages: see `advantages`
     clip_ratio_c: float | None = None  # dual-clip: for A < 0 the clip surrogate's loss is capped at -c A (`dual_clip`)
     kl_estimator: KLEstimator = "k3"  # which estimate of KL(pi_theta || pi_ref) beta weighs (`kl_estimate`)
-    kl_in: Literal["loss", "reward"] = "loss"  # added to every token's loss (GRPO), or subtracted from the reward
+    kl_in: KLIn = "loss"  # added to every token's loss (GRPO), or subtracted from the reward
     kl_ratio_correction: bool = False  # weigh the loss's KL by the importance ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus: subtract coef x the mean entropy of the policy's tokens (`policy_loss`)
     top_entropy_quantile: float = 1.0  # train only on tokens this top fraction by entropy (`high_entropy_mask`)
@@ -81,7 +84,7 @@ class LossConfig:
 
 OBJECTIVE_FIELDS = tuple(f.name for f in fields(LossConfig))  # the flags that make up an objective (train.Args)
 
-PRESETS: dict[str, LossConfig] = {
+PRESETS: dict[Algo, LossConfig] = {
     # DeepSeekMath (2402.03300): PPO's token ratio, per-sequence length normalisation, std-scaled advantages, KL.
     "grpo": LossConfig("token", "seq-mean-token-mean", 0.2, 0.2, beta=0.04, scale_rewards="group"),
     # Dr.GRPO (2503.20783): no 1/|y_i| and no 1/std, so neither length nor difficulty re-weights a token.

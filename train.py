@@ -45,7 +45,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """Every flag. The fields below shape the algorithm; the groups it inherits (plumbing/settings.py) are where
     data and models come from, hardware and memory, evaluation, logging and checkpoints."""
 
-    algo: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo"] = "gspo"
+    algo: losses.Algo = "gspo"
     """objective preset with its paper's values; any objective field below that is left unset takes them"""
     seed: int = 0
     """seed of everything (sampling, data order, warm start); the same seed repeats a run exactly"""
@@ -73,7 +73,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """passes over each rollout"""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
     """pi_old: the sampler's own log-probs or recomputed before the first update; auto: see pi_old_source"""
-    rollout_correction: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "off"
+    rollout_correction: Literal["off"] | losses.RolloutCorrection = "off"
     """weigh each unit's loss by w = pi_old / mu (mu: the sampler's), capped (truncate) or dropped (mask) outside"""
     rollout_correction_max: float | None = 3.0
     """C_max of --rollout-correction (TRL's default 3); None: no upper bound"""
@@ -91,9 +91,9 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """gradient clipping by global norm"""
 
     # the objective: None takes the --algo preset (losses.PRESETS)
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] | None = None
+    importance_sampling_level: losses.ImportanceLevel | None = None
     """token: rho_t; sequence: GSPO's s_i; sequence_token: GSPO-token"""
-    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] | None = None
+    loss_agg_mode: losses.AggMode | None = None
     """how per-token losses are summed (losses.aggregate)"""
     epsilon: float | None = None
     """lower clip range: w >= 1 - epsilon"""
@@ -101,15 +101,15 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """upper clip range: w <= 1 + epsilon_high (DAPO's clip-higher when above epsilon)"""
     beta: float | None = None
     """weight of the KL to the starting policy; 0 loads no reference model"""
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    kl_estimator: losses.KLEstimator | None = None
     """the KL estimate beta weighs: k1 (-d), k2 (d^2/2) or k3 (e^d - d - 1, GRPO's), d = log pi_ref - log pi"""
-    kl_in: Literal["loss", "reward"] | None = None
+    kl_in: losses.KLIn | None = None
     """the KL as a loss term on every token (GRPO), or subtracted from each completion's reward (verl, PPO-RLHF)"""
     kl_ratio_correction: bool | None = None
     """weigh the loss's KL by the importance ratio pi/pi_old (TRL 1.16's use_bias_correction_kl, its default)"""
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"] | None = None
+    advantage_estimator: losses.Estimator | None = None
     """how rewards become advantages: GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL (losses.py)"""
-    scale_rewards: Literal["group", "batch", "none"] | None = None
+    scale_rewards: losses.ScaleRewards | None = None
     """grpo's divisor: the group's reward std, the whole batch's, or none (Dr.GRPO); the other estimators ignore it"""
     clip_ratio_c: float | None = None
     """dual-clip: for A < 0, cap the clip surrogate's loss at -c A (verl's clip_ratio_c, usually 3); None: off"""
@@ -119,7 +119,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """adaptive entropy bonus (Skywork-OR1, TRL's use_adaptive_entropy): applied, and raised, below this entropy"""
     top_entropy_quantile: float | None = None
     """train the policy term only on this top fraction of tokens by entropy (0.2: the 80/20 paper); 1: all"""
-    surrogate: Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"] | None = None
+    surrogate: losses.Surrogate | None = None
     """what the ratio does to the gradient: PPO's clip, CISPO, SAPO, GMPO, or the entropy paper's Clip-Cov, KL-Cov"""
     sapo_tau_pos: float | None = None
     """SAPO's gate temperature for tokens with A > 0"""

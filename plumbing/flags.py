@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from plumbing import ddp
-import losses
 import model as models
 from base import network
 import rewards
@@ -215,10 +214,6 @@ def validate(args, world_size: int = 1) -> None:
     for wrong, message in CHECKS:
         if wrong(args):
             raise ConfigError(message.format(**asdict(args)))
-    try:  # objective fields that do not go together (CISPO at sequence level, GMPO at token level, ...)
-        losses.check_config(losses.LossConfig(**{f: getattr(args, f) for f in losses.OBJECTIVE_FIELDS}))
-    except ValueError as e:
-        raise ConfigError(f"--algo {args.algo}: {e}")
     if args.num_prompts % world_size:
         raise ConfigError(f"--num-prompts {args.num_prompts} is not divisible by the {world_size} processes (each takes "
                           f"whole prompt groups); use a multiple of {world_size}")

@@ -42,7 +42,8 @@ def dataset_defaults(dataset: str, model: str) -> dict:
 
 
 def resolve(args) -> tuple[object, LossConfig]:
-    """Fill every unset objective field from the --algo preset."""
+    """Fill every unset objective field from the --algo preset (config.json records the objective a run trained
+    with), and make the objective's LossConfig, once, checked (losses.check_config)."""
     preset = losses.PRESETS[args.algo]
     filled = {f: getattr(preset, f) if getattr(args, f) is None else getattr(args, f) for f in losses.OBJECTIVE_FIELDS}
     if args.scale_rewards is not None and filled["advantage_estimator"] != "grpo":
@@ -58,7 +59,12 @@ def resolve(args) -> tuple[object, LossConfig]:
         **{k: v if getattr(args, k) is None else getattr(args, k)
            for k, v in dataset_defaults(args.dataset, args.model).items()},
     )
-    return args, LossConfig(**filled)
+    cfg = LossConfig(**filled)
+    try:  # objective fields that do not go together (CISPO at sequence level, GMPO at token level, ...)
+        losses.check_config(cfg)
+    except ValueError as e:
+        raise ConfigError(f"--algo {args.algo}: {e}")
+    return args, cfg
 
 
 def default_run_name(args) -> str:

@@ -117,3 +117,24 @@ def test_documented_answer_lengths_are_the_tasks():
         for f in ["README.md", "train.py", "tools/study/__init__.py", "docs/study/protocol.md", "model.py", *map(str, (ROOT / "docs").glob("*.md"))]:
             assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
 
+
+
+def test_the_objective_flags_take_their_types_from_losses_py():
+    """Issue 46.4: Args spelled the objective's Literals again, so a surrogate added to losses.Surrogate but not to
+    Args was silently unreachable. Each objective flag's choices are now the LossConfig field's own type (or None:
+    from the preset), and --algo's choices are the presets."""
+    import typing
+
+    import losses
+    import train
+
+    def choices(hint) -> set:  # the values a Literal allows, or the types a union allows, None left out
+        if typing.get_origin(hint) is typing.Literal:
+            return set(typing.get_args(hint))
+        args = typing.get_args(hint)
+        return set().union(*(choices(a) for a in args)) if args else {hint} - {type(None)}
+
+    hints, own = typing.get_type_hints(train.Args), typing.get_type_hints(losses.LossConfig)
+    assert typing.get_args(hints["algo"]) == tuple(losses.PRESETS)
+    for f in losses.OBJECTIVE_FIELDS:
+        assert choices(hints[f]) == choices(own[f]), f
