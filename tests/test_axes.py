@@ -90,14 +90,21 @@ def test_masking_truncated_completions_equals_trl(algo, loss_type, seed):
     assert torch.equal(grad[truncated], torch.zeros_like(grad[truncated]))  # a truncated row gets no gradient
 
 
-def test_both_end_to_end_with_what_they_touched_logged(tmp_path, tiny_policy_dir):
-    args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
-                         "max_new_tokens": 6, "mask_truncated": True, "clip_ratio_c": 1.5, "lr": 1e-2,
-                         "save_model": False})
-    train.train(args)
-    rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][1:]
-    assert all(r["charts/masked_frac"] == r["charts/truncated_frac"] for r in rows)
-    assert any(r["charts/masked_frac"] > 0 for r in rows) and all(0 <= r["clip/dual_frac"] <= 1 for r in rows)
+def test_both_end_to_end_masking_reaches_the_loss(tmp_path, tiny_policy_dir):
+    """One new token each: every completion is truncated. With --mask-truncated nothing is left to train (loss and
+    gradient exactly 0 in every step whose completions were all masked); without it the same run trains. Dual-clip's
+    fraction is logged beside."""
+    common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
+              "max_new_tokens": 1, "clip_ratio_c": 1.5, "lr": 1e-2, "save_model": False, "total_steps": 2}
+    rows = {}
+    for masked in (True, False):
+        train.train(train.Args(**common, mask_truncated=masked, run_name=f"masked-{masked}"))
+        rows[masked] = [json.loads(line) for line in (tmp_path / f"masked-{masked}" / "metrics.jsonl").open()][1:]
+    all_masked = [r for r in rows[True] if r["charts/masked_frac"] == 1.0]
+    assert all_masked, rows[True]
+    assert all(r["losses/policy_loss"] == 0.0 and r["losses/grad_norm"] == 0.0 for r in all_masked)
+    assert all(r["losses/grad_norm"] > 0 and "charts/masked_frac" not in r for r in rows[False])
+    assert all(0 <= r["clip/dual_frac"] <= 1 for r in rows[False])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +150,8 @@ def test_kl_in_the_loss_equals_trl_with_and_without_its_bias_correction(level, c
         assert not torch.allclose(x.grad, y.grad)
 
 
-def test_kl_in_the_reward_is_the_sampled_tokens_kl_summed_and_the_loss_has_none(tmp_path, tiny_policy_dir):
+def test_kl_in_the_reward_is_the_sampled_tokens_kl_summed_and_the_loss_has_none(tmp_path, tiny_policy_dir,
+                                                                                  monkeypatch):
     gen = torch.Generator().manual_seed(1)
     sampler = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
     ref = sampler - 0.3 * torch.rand(3, 4, generator=gen, dtype=torch.float64)
@@ -155,9 +163,28 @@ def test_kl_in_the_reward_is_the_sampled_tokens_kl_summed_and_the_loss_has_none(
     no_kl = replace(PRESETS["grpo"], beta=0.0)
     a = losses.policy_loss(logp, old, adv, mask6, StepNorm.of(mask6, 7), in_reward)  # no reference needed
     assert a.item() == losses.policy_loss(logp, old, adv, mask6, StepNorm.of(mask6, 7), no_kl).item()
+    # end to end: the reference scores the rollout and the reward the advantages see is the verifier's less beta KL,
+    # 0 while the policy is the reference (step 1), not once it has moved (step 2)
+    seen, verifier, real_advantages, real_score = [], [], losses.advantages, train.rewards.score
+
+    def advantages(reward, *a, **k):  # what the advantages are computed from
+        seen.append(reward.clone())
+        return real_advantages(reward, *a, **k)
+
+    def score(*a, **k):  # what the verifier gave
+        out = real_score(*a, **k)
+        verifier.append(out["reward"])
+        return out
+
+    monkeypatch.setattr(losses, "advantages", advantages)
+    monkeypatch.setattr(train.rewards, "score", score)
     args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
-                         "kl_in": "reward", "kl_estimator": "k1", "total_steps": 1, "save_model": False})
-    train.train(args)  # end to end: the reference scores the rollout before the advantages
+                         "kl_in": "reward", "kl_estimator": "k1", "beta": 0.5, "total_steps": 2, "save_model": False,
+                         "eval_every": 10})
+    train.train(args)
+    verifier = [torch.tensor(r) for r in verifier if len(r) == len(seen[0])]  # the rollouts' (not the evaluations')
+    shift = [(s - v).abs().max().item() for s, v in zip(seen, verifier)]
+    assert len(shift) == 2 and shift[0] < 1e-4 < 1e-3 < shift[1], shift
     rows = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()]
     assert "losses/kl_ref" not in rows[-1] and rows[-1]["charts/reward"] is not None
 
@@ -273,7 +300,7 @@ def test_cov_surrogates_end_to_end_with_their_fraction_logged(tmp_path, tiny_pol
                          "beta": 0.0, "surrogate": surrogate, "total_steps": 1, "save_model": False})
     train.train(args)
     row = [json.loads(line) for line in (tmp_path / "grpo-s0" / "metrics.jsonl").open()][-1]
-    assert 0 <= row["clip/cov_frac"] < 0.05 and row["losses/skipped_updates"] == 0
+    assert 0 < row["clip/cov_frac"] < 0.05 and row["losses/skipped_updates"] == 0  # it acted, on few tokens
 
 
 @pytest.mark.usefixtures("float64")
@@ -281,36 +308,19 @@ def test_adaptive_entropy_control_equals_trl_step_by_step():
     """Four optimizer steps of TRL 1.16's use_adaptive_entropy (one micro-batch each, so every _compute_loss call
     ends a step) against losses.AdaptiveEntropy: the same loss, gradient and coefficient at every step, with the
     entropy crossing the target both ways."""
-    from collections import defaultdict
-    from types import SimpleNamespace
-
-    from trl import GRPOTrainer
-
-    from test_successors import T as T_TRL, batch as trl_batch
+    from test_successors import T as T_TRL, batch as trl_batch, trl_loss, trl_stand_in
 
     logp, old, adv, mask = trl_batch(0.3, seed=7)
     target, coef0 = 0.9, 0.05
-    fake = SimpleNamespace(
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1, entropy_target=target,
-                             entropy_coef_delta=0.02, entropy_coef_min=0.0, entropy_coef_max=1.0),
-        loss_type="dapo", importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        aux_loss_enabled=False, current_gradient_accumulation_steps=1, max_completion_length=T_TRL,
-        model=SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, router_aux_loss_coef=0.0,
-        accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t,
-                                    sync_gradients=True), beta=0.0, use_vllm=False,
-        _entropy_bonus_enabled=True, use_adaptive_entropy=True, entropy_coef=coef0, _last_world_entropy=float("inf"),
-        _entropy_window_stats=None, epsilon_low=0.2, epsilon_high=0.28)
+    fake = trl_stand_in("dapo", args=dict(entropy_target=target, entropy_coef_delta=0.02, entropy_coef_min=0.0,
+                                          entropy_coef_max=1.0), _entropy_bonus_enabled=True, use_adaptive_entropy=True,
+                        entropy_coef=coef0, _last_world_entropy=float("inf"), _entropy_window_stats=None,
+                        epsilon_low=0.2, epsilon_high=0.28)
     control = losses.AdaptiveEntropy(coef0, target, delta=0.02)
     cfg = replace(PRESETS["dapo"], beta=0.0)
     for level in (0.5, 1.4, 0.3, 0.2):  # mean entropies below, above, below, below the target
         entropy_of = lambda x, level=level: level * torch.sigmoid(x + 2.0) * 2  # noqa: E731
-        x = logp.clone().requires_grad_(True)
-        fake._get_per_token_logps_and_entropies = lambda *a, x=x, f=entropy_of, **k: (x, f(x), None)
-        inputs = {"prompt_ids": torch.zeros(6, 1, dtype=torch.long), "prompt_mask": torch.ones(6, 1, dtype=torch.long),
-                  "completion_ids": torch.zeros(6, T_TRL, dtype=torch.long), "completion_mask": mask,
-                  "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
-        theirs = GRPOTrainer._compute_loss(fake, None, inputs)
-        theirs.backward()
+        theirs, their_grad = trl_loss(fake, logp, old, adv, mask, entropy_fn=entropy_of)
         y = logp.clone().requires_grad_(True)
         entropy = entropy_of(y)
         mine = losses.policy_loss(y, old, adv, mask, StepNorm.of(mask, T_TRL),
@@ -318,8 +328,8 @@ def test_adaptive_entropy_control_equals_trl_step_by_step():
         mine.backward()
         control.observe(entropy.detach(), mask)
         control.end_step()
-        assert mine.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-14)
-        assert torch.allclose(y.grad, x.grad, rtol=1e-10, atol=1e-14)
+        assert mine.item() == pytest.approx(theirs, rel=1e-12, abs=1e-14)
+        assert torch.allclose(y.grad, their_grad, rtol=1e-10, atol=1e-14)
         assert control.coef == pytest.approx(fake.entropy_coef, abs=1e-15)
         assert control.last_entropy == pytest.approx(fake._last_world_entropy, rel=1e-12)
     assert control.coef != coef0

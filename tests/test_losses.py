@@ -70,16 +70,6 @@ def test_equal_rewards_give_exactly_zero_advantage():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# On-policy the loss is -agg(A) over lengths 3, 5, 2, 2 with A = (Z, -Z, -Z, Z): per-sequence means cancel (GRPO,
-# GSPO); token-mean gives -Z (3 - 5 - 2 + 2) / 12 = Z / 6; Dr.GRPO's sum over B L_max = 4 x 8 gives Z / 16.
-@pytest.mark.parametrize("algo,expected", [("grpo", 0.0), ("gspo", 0.0), ("dapo", Z / 6), ("dr_grpo", Z / 16)])
-def test_toy_batch_losses_with_zscore_advantages(algo, expected):
-    logp, old, mask = on_policy()
-    adv = torch.tensor([Z, -Z, -Z, Z])
-    loss, grad, diag = run(no_kl(PRESETS[algo]), logp, old, adv, mask)
-    assert loss == pytest.approx(expected, abs=1e-6)
-
-
 def test_toy_batch_dr_grpo_with_its_own_advantages():
     logp, old, mask = on_policy()
     adv = losses.group_advantages(REWARDS, 4, scale=PRESETS["dr_grpo"].scale_rewards)
@@ -112,6 +102,13 @@ def test_on_policy_ratios_are_one_nothing_clips_loss_is_minus_agg_adv(algo):
     assert all(v == 0.0 for k, v in diagnostics.study_metrics(logp.detach(), old, adv, mask).items()
                if k.startswith("clip/shadow_"))
     assert grad.abs().sum() > 0
+    # the toy batch by hand: lengths 3, 5, 2, 2 with A = (Z, -Z, -Z, Z) per-sequence means cancel (GRPO, GSPO);
+    # token-mean gives -Z (3 - 5 - 2 + 2) / 12 = Z / 6; Dr.GRPO's sum over B L_max = 4 x 8 gives Z / 16
+    by_hand = {"grpo": 0.0, "gspo": 0.0, "dapo": Z / 6, "dr_grpo": Z / 16}
+    if algo in by_hand:
+        toy_logp, toy_old, toy_mask = on_policy()
+        toy, _, _ = run(no_kl(cfg), toy_logp, toy_old, torch.tensor([Z, -Z, -Z, Z]), toy_mask)
+        assert toy == pytest.approx(by_hand[algo], abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,17 +255,6 @@ def test_dr_grpo_token_weight_does_not_depend_on_any_length():
 # ---------------------------------------------------------------------------------------------------------------
 # 9: KL
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def test_k3_value_and_gradient_match_closed_form():
-    logp = leaf(torch.tensor([-1.0, -2.0, -0.5]))
-    ref = torch.tensor([-1.5, -1.0, -0.5])
-    kl = losses.k3_kl(logp, ref)
-    d = ref - logp.detach()
-    assert torch.allclose(kl, torch.exp(d) - d - 1)
-    assert kl[2].item() == 0.0 and (kl >= 0).all()
-    kl.sum().backward()
-    assert torch.allclose(logp.grad, 1 - torch.exp(d))  # d/dlogp [e^(ref-logp) - (ref-logp) - 1]
 
 
 def test_kl_term_adds_beta_times_mean_k3_and_zero_beta_needs_no_reference():

@@ -26,4 +26,7 @@ def test_smollm_gguf_loads_and_answers_in_the_chat_format():
     prompt = rollout.format_prompt(tok, task.instruct_text((47, 13)))
     assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
     ro = rollout.generate(policy, tok, [prompt], max_new_tokens=16, greedy=True)
-    assert ro.completion_mask.sum() > 0
+    # a model that loaded right is sure of its own greedy tokens; one read wrong from the GGUF (a scrambled tensor) is
+    # near uniform over its 49,152 tokens (log 1/49152 = -10.8)
+    logp = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1])
+    assert float((logp * ro.completion_mask).sum() / ro.completion_mask.sum()) > -2.0

@@ -36,35 +36,47 @@ def ours(cfg, logp, old, adv, mask, max_new=T):
     return loss.item(), x.grad
 
 
-def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, _level="token", _bias_correction_kl=False,
-        _entropy_fn=None, **config):
-    """TRL 1.16's GRPOTrainer._compute_loss itself, on a stand-in for the trainer that holds only what it reads;
-    its forward pass is replaced by our log-probs (so both sides differentiate the same leaf)."""
+def trl_stand_in(loss_type: str, level: str = "token", bias_correction_kl: bool = False, args: dict | None = None,
+                 **config):
+    """A stand-in for TRL 1.16's GRPOTrainer that holds only what its _compute_loss reads (its forward pass is set
+    by the caller: `_get_per_token_logps_and_entropies`). `args`: TrainingArguments fields; `config`: the trainer's."""
+    from trl import GRPOTrainer
+
+    fake = SimpleNamespace(
+        args=SimpleNamespace(**{"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "delta": None,
+                                "use_bias_correction_kl": bias_correction_kl, "steps_per_generation": 1,
+                                **(args or {})}),
+        loss_type=loss_type, importance_sampling_level=level, off_policy_mask_threshold=None, aux_loss_enabled=False,
+        current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t,
+                                    pad_across_processes=lambda t, **k: t, sync_gradients=True),
+        _metrics={"train": __import__("collections").defaultdict(list)}, router_aux_loss_coef=0.0,
+        **{"beta": 0.0, "use_vllm": False, "top_entropy_quantile": 1.0, "_entropy_bonus_enabled": False,
+           "entropy_coef": 0.0, "use_adaptive_entropy": False, **config})
+    fake.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(fake, e, m, t)
+    return fake
+
+
+def trl_loss(fake, logp, old, adv, mask, extra_inputs=None, entropy_fn=None):
+    """fake's _compute_loss (TRL's own) on our log-probs: (the loss, d loss / d logp)."""
     from trl import GRPOTrainer
 
     x = logp.clone().requires_grad_(True)
-    metrics = {"train": __import__("collections").defaultdict(list)}
-    args = SimpleNamespace(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, delta=None,
-                           use_bias_correction_kl=_bias_correction_kl, steps_per_generation=1)
-    fake = SimpleNamespace(
-        args=args, loss_type=loss_type, importance_sampling_level=_level,
-        off_policy_mask_threshold=None, aux_loss_enabled=False,
-        current_gradient_accumulation_steps=1, max_completion_length=T, model=SimpleNamespace(training=True),
-        accelerator=SimpleNamespace(num_processes=1, gather=lambda t: t, reduce=lambda t, *a, **k: t),
-        _metrics=metrics, router_aux_loss_coef=0.0,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (x, (_entropy_fn or torch.zeros_like)(x), None),
-        use_adaptive_entropy=False, **{"beta": 0.0, "use_vllm": False, "top_entropy_quantile": 1.0,
-                                       "_entropy_bonus_enabled": False, "entropy_coef": 0.0, **config})
-    fake.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(fake, e, m, t)
-    fake.accelerator.pad_across_processes = lambda t, **k: t
-    fake.accelerator.sync_gradients = True
-    inputs = {"prompt_ids": torch.zeros(len(LENGTHS), 1, dtype=torch.long),
-              "prompt_mask": torch.ones(len(LENGTHS), 1, dtype=torch.long),
-              "completion_ids": torch.zeros(len(LENGTHS), T, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(), **(_extra_inputs or {})}
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (x, (entropy_fn or torch.zeros_like)(x), None)
+    rows = len(mask)
+    inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(rows, T, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(), **(extra_inputs or {})}
     loss = GRPOTrainer._compute_loss(fake, None, inputs)
     loss.backward()
     return loss.item(), x.grad
+
+
+def trl(loss_type: str, logp, old, adv, mask, _extra_inputs=None, _level="token", _bias_correction_kl=False,
+        _entropy_fn=None, **config):
+    """TRL 1.16's GRPOTrainer._compute_loss itself on a fresh stand-in (trl_stand_in): (loss, gradient)."""
+    return trl_loss(trl_stand_in(loss_type, _level, _bias_correction_kl, **config), logp, old, adv, mask,
+                    _extra_inputs, _entropy_fn)
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.05, 1.5])  # on-policy; mildly stale; stale enough to cap and gate

@@ -96,7 +96,9 @@ def test_out_of_memory_is_one_line_and_saves_the_step_it_started_from(tmp_path, 
     monkeypatch.setattr(train.rollout, "generate", real)
     train.main(base + ["--resume", "auto", "--micro-batch-size", "4"])  # a smaller micro-batch may resume
     assert "resumed from" in capsys.readouterr().out
-    assert json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["accuracy_after"] >= 0
+    assert json.loads((tmp_path / "gspo-s0" / "summary.json").read_text())["steps"] == 3
+    logged = [json.loads(line)["step"] for line in (tmp_path / "gspo-s0" / "metrics.jsonl").open()]
+    assert logged == [0, 1, 2, 3]  # the resumed run repeats step 2 and goes on; no row twice, none missing
 
 
 def test_a_full_fine_tune_that_cannot_fit_is_refused_before_loading(tmp_path, capsys, tiny_policy_dir, monkeypatch):
