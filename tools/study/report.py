@@ -83,10 +83,11 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
              f"{len(runs) - sum(smol.values())} runs of the embedded model on `--dataset embedded-long` (correct "
              f"answers of 20-295 tokens) and {sum(smol.values())} of SmolLM2-135M-Instruct ({smol['smollm2']} on "
              f"additions for claim 5" + (f", {smol['smollm2long']} writing the long task's working in its own words "
-             "for claims 1 and 2a" if smol["smollm2long"] else "") + f"); {len(rows)} verdicts: {counts(rows)}; after Holm's "
-             f"correction over the table's tests: {counts(rows, 'holm')}. The verdict "
-             "table with each prediction, estimate, interval and manipulation check, the smallest detectable effects "
-             "and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
+             "for claims 1 and 2a" if smol["smollm2long"] else "") + ").", "",
+             f"{len(rows)} verdicts: {counts(rows)}.", "",
+             f"After Holm's correction over the table's tests: {counts(rows, 'holm')}.", "",
+             "The verdict table with each prediction, estimate, interval and manipulation check, the smallest "
+             "detectable effects and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
              "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
              "A 0.67M-parameter model (and a 135M one), 3 to 120 steps and one task each are far from the papers' "
              "models and thousands of steps: these verdicts are about these regimes.", "",
