@@ -1,5 +1,18 @@
 """The objectives (GRPO, Dr.GRPO, DAPO, GSPO; CISPO, SAPO, GMPO), side by side, and the diagnostics that tell them
-apart.
+apart. The file reads in the order policy_loss computes:
+
+    1. the configuration (LossConfig) and the papers' presets (PRESETS), the step's normalisers (StepNorm)
+    2. advantages                    GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL
+    3. the ratio                     importance_weights: rho_it, GSPO's s_i, GSPO-token's s_it
+    4. surrogates                    PPO's clip, CISPO, SAPO, GMPO (the table's order), then dual-clip, Clip-Cov,
+                                     KL-Cov; each states its clip rule once (ppo_clipped, cispo_weight, the gate's
+                                     slope, gmpo_log_ratio, dual_capped, clip_cov_candidates)
+    5. the KL to the reference       k1 / k2 / k3, in the loss or in the reward
+    6. aggregation                   the three ways per-token losses become the step's number
+    7. policy_loss                   the loss of one micro-batch, all of the above
+    8. options on the loss           the rollout correction (pi_old / mu), the entropy controls
+    9. check_config                  the combinations the maths does not define, refused once at start-up
+   10. diagnostics                   the ratio variance and clip fractions every update logs, read from the rules
 
 Notation (one optimizer step): B sequences y_1..y_B, |y_i| valid completion tokens each (EOS included, padding
 excluded), padded to T columns. For each token
@@ -14,14 +27,10 @@ A paper's objective is a choice along four independent axes, held in `LossConfig
                                 or s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)] ("sequence_token")
     epsilon, epsilon_high       the clip range [1 - epsilon, 1 + epsilon_high] of w
     loss_agg_mode               how per-token losses L_it become one number (see `aggregate`)
-    beta                        weight of the k3 estimate of KL(pi_theta || pi_ref), added to every L_it
+    beta                        weight of the KL estimate to the reference, added to every L_it
 
-and one choice made before the loss, the advantage estimator (`advantages`): GRPO's group-relative reward,
-divided by the group's reward std, the batch's, or not at all (scale_rewards group / batch / none: Dr.GRPO's
-none); RLOO's leave-one-out baseline; REINFORCE++-baseline's group mean then a whitening over the batch's tokens;
-MaxRL's division by the group's mean reward.
-
-Each unit u (a token, or a whole sequence at sequence level) has the PPO clipped surrogate
+and one choice made before the loss, the advantage estimator. Each unit u (a token, or a whole sequence at sequence
+level) has the PPO clipped surrogate
 
     L_u = -min( w_u A_u, clip(w_u, 1 - epsilon, 1 + epsilon_high) A_u ).
 
@@ -36,6 +45,22 @@ The successors keep these axes and change the surrogate itself (`surrogate`, see
 | cispo    | token    | 1 / 4 (cap 5)  | (r - mean) / std   | token-mean               | 0    |  -sg(clip(rho)) A log pi
 | sapo     | token    | (tau 1 / 1.05) | (r - mean) / std   | seq-mean-token-mean      | 0    |  -sigmoid(tau(rho-1)) 4/tau A
 | gmpo     | sequence | 0.4 / 0.4 (log)| (r - mean) / std   | seq-mean-token-mean      | 0    |  -A exp(mean_t clipped l_t)
+
+The options beyond the presets, each a LossConfig field (a train.py flag of the same name) unless marked:
+
+| field                  | paper / source                                   | default        | function                    |
+| advantage_estimator    | RLOO 2402.14740; REINFORCE++ 2501.03262; MaxRL   | grpo           | advantages                  |
+| scale_rewards          | TRL (batch); Dr.GRPO 2503.20783 (none)           | group          | group_advantages            |
+| surrogate              | the successors above; Clip-Cov, KL-Cov 2505.22617 | clip          | surrogate_loss              |
+| sapo_tau_pos / _neg    | SAPO 2511.20347                                  | 1.0 / 1.05     | sapo_surrogate              |
+| clip_ratio_c           | dual-clip PPO 1912.09729 (verl)                  | None (off)     | dual_clip                   |
+| kl_estimator           | Schulman 2020 (k1, k2, k3)                       | k3             | kl_estimate                 |
+| kl_in                  | GRPO (loss); PPO-RLHF, verl (reward)             | loss           | policy_loss, kl_in_reward   |
+| kl_ratio_correction    | 2512.21852; TRL's use_bias_correction_kl         | False          | policy_loss                 |
+| top_entropy_quantile   | the 80/20 paper 2506.01939                       | 1.0 (all)      | high_entropy_mask           |
+| entropy_coef           | TRL's entropy bonus                              | 0.0            | policy_loss                 |
+| --entropy-target (Args)| Skywork-OR1 2505.22312                           | off            | AdaptiveEntropy             |
+| --rollout-correction   | TRL's vLLM correction (TIS, MIS / IcePop)        | off            | rollout_correction_weights  |
 """
 
 from __future__ import annotations
@@ -46,6 +71,12 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. The objective's configuration and the papers' presets
+# ---------------------------------------------------------------------------------------------------------------
+
 
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
@@ -125,7 +156,7 @@ class StepNorm:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Advantages
+# 2. Advantages
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -180,13 +211,6 @@ def maxrl_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return torch.where(mean > eps, (r - mean) / (mean + eps), torch.zeros_like(r)).reshape(-1)  # (B,)
 
 
-def kl_in_reward(sampler_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstimator) -> Tensor:
-    """The KL penalty taken from each completion's reward when kl_in is "reward" (verl's use_kl_in_reward, PPO-RLHF):
-    r_i <- r_i - beta * sum_t KL_it, the KL estimated on the sampled tokens under the policy that sampled them.
-    Returns sum_t KL_it: (B,). It carries no gradient: it acts through the advantages."""
-    return (kl_estimate(sampler_logp, ref_logp, estimator) * mask).sum(-1)
-
-
 def advantages(rewards: Tensor, group_size: int, estimator: Estimator = "grpo", scale: ScaleRewards = "group",
                lengths: Tensor | None = None) -> Tensor:
     """The advantage of each completion, (B,), by `estimator`, over the whole batch (every process's rows: the
@@ -201,7 +225,7 @@ def advantages(rewards: Tensor, group_size: int, estimator: Estimator = "grpo", 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Ratios, surrogate, aggregation
+# 3. The ratio
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -229,10 +253,77 @@ def importance_weights(logp: Tensor, old_logp: Tensor, mask: Tensor, level: Impo
     raise ValueError(f"unknown importance_sampling_level {level!r}; use token, sequence or sequence_token")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Surrogates, in the presets table's order (each states its clip rule once: the diagnostics read it)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ppo_clipped(w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's clip rule: where min(w A, clip(w, 1 - eps_low, 1 + eps_high) A) takes the clipped term, so that the
+    unit gets no gradient: w below 1 - eps_low with A < 0, or above 1 + eps_high with A > 0. Out of range on the
+    other side (w < 1 - eps_low with A > 0, say) the min keeps w A and its gradient."""
+    return ((w < 1 - eps_low) & (adv < 0)) | ((w > 1 + eps_high) & (adv > 0))
+
+
 def clipped_surrogate(w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """PPO's clip (GRPO, Dr.GRPO, DAPO, GSPO): L = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A), elementwise.
-    Where the clip binds, L is constant in w: that unit gives no gradient at all."""
+    Where the min takes the clipped term (ppo_clipped), L is constant in w: that unit gives no gradient at all."""
     return -torch.minimum(w * adv, torch.clamp(w, 1 - eps_low, 1 + eps_high) * adv)
+
+
+def cispo_surrogate(logp: Tensor, w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """CISPO (MiniMax-M1 eq. 4-5): L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(y_it).
+
+    The clipped ratio is a constant weight (stop-gradient), so grad L_it = -w_hat A grad log pi: a capped
+    importance-weighted REINFORCE in which no token ever leaves the gradient (PPO's clip drops clipped tokens)."""
+    return -cispo_weight(w, eps_low, eps_high).detach() * adv * logp
+
+
+def cispo_weight(w: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """CISPO's capped weight clip(w, 1 - eps_low, 1 + eps_high); a token is capped where it differs from w."""
+    return torch.clamp(w, 1 - eps_low, 1 + eps_high)
+
+
+def sapo_gate(w: Tensor, tau: Tensor) -> Tensor:
+    """SAPO's soft gate (2511.20347 eq. 5): f(w) = sigmoid(tau (w - 1)) * 4 / tau. f'(1) = 1 (the on-policy gradient
+    is untouched); f'(w) = 4 sigmoid (1 - sigmoid) decays smoothly as w leaves 1, faster for larger tau, and as
+    tau grows it tends to a hard window around w = 1."""
+    return torch.sigmoid(tau * (w - 1)) * 4 / tau
+
+
+def sapo_surrogate(w: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO: L_it = -f(w_it) A_it, with tau_pos where A > 0 and tau_neg where A <= 0 (negative tokens, whose
+    gradient spreads over the whole vocabulary, are gated a little harder)."""
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    return -sapo_gate(w, tau) * adv
+
+
+def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)): the weight SAPO's gate leaves on a unit's gradient
+    (1 on-policy, toward 0 far from w = 1)."""
+    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+    sig = torch.sigmoid(tau * (w - 1))
+    return 4 * sig * (1 - sig)
+
+
+def gmpo_log_ratio(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """GMPO's per-token log-ratio (2507.20673 eq. 4): l_it clipped to [-eps_low, eps_high] only on the side that
+    matters for the sign of A, as PPO's min does: sgn(A) min(sgn(A) l, sgn(A) clip(l)). A clipped token carries
+    no gradient; the others are untouched."""
+    sign = torch.sign(adv)
+    return sign * torch.minimum(sign * log_ratio, sign * torch.clamp(log_ratio, -eps_low, eps_high))
+
+
+def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float,
+                   eps_high: float) -> Tensor:
+    """GMPO: L_i = -A_i exp((1/|y_i|) sum_t l'_it), the geometric mean of the (clipped) token ratios times the
+    sequence's advantage, broadcast to its tokens (so seq-mean-token-mean gives (1/B) sum_i L_i). With no token
+    clipped, exp(mean_t l_it) is GSPO's s_i and L_i = -s_i A_i: GMPO equals GSPO wherever neither clips."""
+    clipped = gmpo_log_ratio((logp - old_logp) * mask, adv, eps_low, eps_high)  # (B, T)
+    return -torch.exp(masked_seq_mean(clipped, mask)).unsqueeze(-1) * adv  # (B, 1) * (B, 1) -> broadcast (B, T)
+
+
+# Beyond the presets: dual-clip, and the entropy paper's Clip-Cov and KL-Cov
 
 
 def dual_clip(loss: Tensor, adv: Tensor, c: float) -> Tensor:
@@ -240,6 +331,11 @@ def dual_clip(loss: Tensor, adv: Tensor, c: float) -> Tensor:
     -min(w A, clip(w) A) = -A max(w, 1 - eps) grows without bound with w, the branch a stale ratio can blow up; it is
     capped there, L = min(L, -c A), and a capped unit gives no gradient. Units with A >= 0 are unchanged."""
     return torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+
+
+def dual_capped(loss: Tensor, adv: Tensor, c: float) -> Tensor:
+    """Dual-clip's rule: the units whose loss it caps, A < 0 and the clipped loss above -c A."""
+    return (adv < 0) & (loss > -c * adv)
 
 
 COV_RATIO, CLIP_COV_LB, CLIP_COV_UB, KL_COV_COEF = 2e-4, 1.0, 5.0, 1.0  # verl's defaults for Clip-Cov and KL-Cov
@@ -263,15 +359,22 @@ def clip_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor
     gradient of a random COV_RATIO of the valid tokens is cut, drawn among those the clip left alone whose
     covariance lies in (CLIP_COV_LB, CLIP_COV_UB). The draw is torch.randperm's, from `generator`."""
     ratio = torch.exp(logp - old_logp)
-    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    valid = mask > 0
-    cov = token_covariance(logp, adv, mask).masked_fill(~valid | ((pg2 > pg1) & valid), -torch.inf)
-    chosen = torch.nonzero((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid)  # (k, 2)
+    chosen = torch.nonzero(clip_cov_candidates(logp, old_logp, adv, mask, eps_low, eps_high))  # (k, 2)
     keep = torch.ones_like(logp)
     if len(chosen):
         picked = chosen[torch.randperm(len(chosen), generator=generator)[:cov_tokens(int(mask.sum().item()))]]
         keep[picked[:, 0], picked[:, 1]] = 0
-    return torch.maximum(pg1, pg2) * keep
+    return clipped_surrogate(ratio, adv, eps_low, eps_high) * keep
+
+
+def clip_cov_candidates(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float,
+                        eps_high: float) -> Tensor:
+    """Clip-Cov's rule: the tokens it may cut, valid ones the clip left alone (ppo_clipped) whose covariance lies
+    in (CLIP_COV_LB, CLIP_COV_UB): (B, T) bool."""
+    valid = mask > 0
+    clipped = ppo_clipped(torch.exp(logp - old_logp), adv, eps_low, eps_high)
+    cov = token_covariance(logp, adv, mask)
+    return valid & ~clipped & (cov > CLIP_COV_LB) & (cov < CLIP_COV_UB)
 
 
 def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
@@ -287,45 +390,6 @@ def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) 
     penalty = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
     penalty[flat] = 1.0
     return loss + KL_COV_COEF * log_ratio.abs() * penalty.view_as(logp)
-
-
-def cispo_surrogate(logp: Tensor, w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """CISPO (MiniMax-M1 eq. 4-5): L_it = -sg(clip(rho_it, 1 - eps_low, 1 + eps_high)) A_it log pi_theta(y_it).
-
-    The clipped ratio is a constant weight (stop-gradient), so grad L_it = -w_hat A grad log pi: a capped
-    importance-weighted REINFORCE in which no token ever leaves the gradient (PPO's clip drops clipped tokens)."""
-    return -torch.clamp(w, 1 - eps_low, 1 + eps_high).detach() * adv * logp
-
-
-def sapo_gate(w: Tensor, tau: Tensor) -> Tensor:
-    """SAPO's soft gate (2511.20347 eq. 5): f(w) = sigmoid(tau (w - 1)) * 4 / tau. f'(1) = 1 (the on-policy gradient
-    is untouched); f'(w) = 4 sigmoid (1 - sigmoid) decays smoothly as w leaves 1, faster for larger tau, and as
-    tau grows it tends to a hard window around w = 1."""
-    return torch.sigmoid(tau * (w - 1)) * 4 / tau
-
-
-def sapo_surrogate(w: Tensor, adv: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
-    """SAPO: L_it = -f(w_it) A_it, with tau_pos where A > 0 and tau_neg where A <= 0 (negative tokens, whose
-    gradient spreads over the whole vocabulary, are gated a little harder)."""
-    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
-    return -sapo_gate(w, tau) * adv
-
-
-def gmpo_log_ratio(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """GMPO's per-token log-ratio (2507.20673 eq. 4): l_it clipped to [-eps_low, eps_high] only on the side that
-    matters for the sign of A, as PPO's min does: sgn(A) min(sgn(A) l, sgn(A) clip(l)). A clipped token carries
-    no gradient; the others are untouched."""
-    sign = torch.sign(adv)
-    return sign * torch.minimum(sign * log_ratio, sign * torch.clamp(log_ratio, -eps_low, eps_high))
-
-
-def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float,
-                   eps_high: float) -> Tensor:
-    """GMPO: L_i = -A_i exp((1/|y_i|) sum_t l'_it), the geometric mean of the (clipped) token ratios times the
-    sequence's advantage, broadcast to its tokens (so seq-mean-token-mean gives (1/B) sum_i L_i). With no token
-    clipped, exp(mean_t l_it) is GSPO's s_i and L_i = -s_i A_i: GMPO equals GSPO wherever neither clips."""
-    clipped = gmpo_log_ratio((logp - old_logp) * mask, adv, eps_low, eps_high)  # (B, T)
-    return -torch.exp(masked_seq_mean(clipped, mask)).unsqueeze(-1) * adv  # (B, 1) * (B, 1) -> broadcast (B, T)
 
 
 def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
@@ -349,34 +413,9 @@ def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cf
     raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo, gmpo, clip_cov or kl_cov")
 
 
-def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
-    """Combinations the maths does not define, each as a ValueError that says what to use instead."""
-    if cfg.surrogate == "cispo" and cfg.importance_sampling_level != "token":
-        raise ValueError("CISPO weights each token's log-probability by its own capped ratio; a sequence-level "
-                         "weight is not defined for it (TRL refuses it too): use --importance-sampling-level token")
-    if cfg.surrogate == "gmpo" and cfg.importance_sampling_level != "sequence":
-        raise ValueError("GMPO's weight is one per sequence (the geometric mean of its clipped token ratios): use "
-                         "--importance-sampling-level sequence")
-    if per_token_advantages and (cfg.importance_sampling_level == "sequence"):
-        raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
-                         "use importance_sampling_level='sequence_token' for per-token advantages")
-    if cfg.surrogate in ("clip_cov", "kl_cov") and cfg.importance_sampling_level != "token":
-        raise ValueError(f"{cfg.surrogate} acts on single tokens (their covariance with the advantage): use "
-                         "--importance-sampling-level token")
-    if cfg.clip_ratio_c is not None and cfg.surrogate != "clip":
-        raise ValueError(f"dual-clip (--clip-ratio-c) caps PPO's clip surrogate; {cfg.surrogate} bounds its ratio its "
-                         "own way: drop --clip-ratio-c (or use --surrogate clip)")
-    if cfg.clip_ratio_c is not None and cfg.clip_ratio_c <= 1:
-        raise ValueError(f"--clip-ratio-c must be above 1 (got {cfg.clip_ratio_c:g}; verl's default is 3): the cap "
-                         "-c A must lie above the clip's own -A (1 - epsilon)")
-    if not 0.0 < cfg.top_entropy_quantile <= 1.0:
-        raise ValueError(f"--top-entropy-quantile is the fraction of tokens kept, in (0, 1] (got "
-                         f"{cfg.top_entropy_quantile:g}; the 80/20 paper keeps 0.2)")
-    if cfg.kl_ratio_correction and cfg.kl_in == "reward":
-        raise ValueError("--kl-ratio-correction weighs the loss's KL term by the importance ratio; with --kl-in "
-                         "reward there is no KL term in the loss: drop one of the two")
-    if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
-        raise ValueError("SAPO's temperatures must be > 0")
+# ---------------------------------------------------------------------------------------------------------------
+# 5. The KL to the reference
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -400,6 +439,18 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return kl_estimate(logp, ref_logp, "k3")
 
 
+def kl_in_reward(sampler_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstimator) -> Tensor:
+    """The KL penalty taken from each completion's reward when kl_in is "reward" (verl's use_kl_in_reward, PPO-RLHF):
+    r_i <- r_i - beta * sum_t KL_it, the KL estimated on the sampled tokens under the policy that sampled them.
+    Returns sum_t KL_it: (B,). It carries no gradient: it acts through the advantages."""
+    return (kl_estimate(sampler_logp, ref_logp, estimator) * mask).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Aggregation
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) -> Tensor:
     """Turn per-token losses (B, T) into the step's scalar; each mode divides by step-level constants.
 
@@ -415,6 +466,65 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) ->
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / (norm.num_seqs * norm.max_new_tokens)
     raise ValueError(f"unknown loss_agg_mode {mode!r}; use seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. The loss of a micro-batch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    logp: Tensor,  # (B, T) log pi_theta of the completion tokens, with gradient
+    old_logp: Tensor,  # (B, T) log pi_old, the sampling policy before this rollout's first update
+    advantages: Tensor,  # (B,) one per sequence, or (B, T) one per token
+    mask: Tensor,  # (B, T) 1 for completion tokens up to and including the first EOS
+    norm: StepNorm,  # normalisers of the whole optimizer step
+    cfg: LossConfig,  # checked once at start-up (runs.resolve calls check_config), not here
+    ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
+    rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
+    entropy: Tensor | None = None,  # (B, T) pi_theta's per-token entropy (with gradient for the entropy bonus)
+    generator: torch.Generator | None = None,  # Clip-Cov's random draw
+) -> Tensor:
+    """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
+    rollout correction's weight if any, plus beta times the KL estimate on every token (with kl_in "loss"; times
+    the importance ratio with kl_ratio_correction), aggregated by loss_agg_mode; with top_entropy_quantile < 1 the
+    policy term only on the highest-entropy tokens; with entropy_coef, minus coef times their mean entropy (TRL 1.16's
+    bonus: a mean over the micro-batch's trained tokens, divided by the step's number of micro-batches).
+
+    clip   (GRPO, Dr.GRPO, DAPO at token level; GSPO at sequence level, where w = s_i and L_it = L_i on every token)
+        L_u = -min(w_u A_u, clip(w_u, 1-eps, 1+eps_high) A_u)
+    cispo  L_it = -sg(clip(rho_it, 1-eps, 1+eps_high)) A_i log pi_theta(y_it)
+    sapo   L_it = -f(rho_it) A_i,  f(rho) = sigmoid(tau (rho - 1)) 4 / tau,  tau = tau_pos if A > 0 else tau_neg
+    gmpo   L_i = -A_i exp((1/|y_i|) sum_t l'_it),  l'_it = l_it clipped to [-eps, eps_high] on the side A's sign picks
+
+    Summing the returned losses of the micro-batches of a step (each with the step's `norm`) gives exactly the
+    loss of the whole step. The ratio and clip statistics of the update are `ratio_diagnostics`, computed once per
+    update over every row it scored.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
+    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator)  # (B, T)
+    effective = trained_tokens(entropy, mask, cfg.top_entropy_quantile)  # (B, T)
+    if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
+        per_token = per_token * effective
+    if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
+        per_token = per_token * rollout_weight
+    if cfg.beta > 0 and cfg.kl_in == "loss":
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
+        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)  # (B, T)
+        if cfg.kl_ratio_correction:  # KL_it * w_it, w the (unclipped, differentiable) ratio at the objective's level
+            kl = kl * importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
+        per_token = per_token + cfg.beta * kl
+    loss = aggregate(per_token, mask, cfg.loss_agg_mode, norm)
+    if cfg.entropy_coef != 0.0:  # L - coef H, H the mean entropy over the trained tokens of each micro-batch (TRL's)
+        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1) / norm.micro_batches
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. Options that act on the loss: the rollout correction, the entropy controls
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def rollout_correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, mode: str,
@@ -460,6 +570,11 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return ((entropy * mask >= threshold) & mask.bool()).to(mask.dtype)
 
 
+def trained_tokens(entropy: Tensor | None, mask: Tensor, quantile: float) -> Tensor:
+    """The tokens the policy term trains on: every valid one, or with quantile < 1 the high-entropy ones."""
+    return mask if quantile >= 1.0 else mask * high_entropy_mask(entropy.detach(), mask, quantile)
+
+
 @dataclass
 class AdaptiveEntropy:
     """Skywork-OR1's adaptive entropy control (2505.22312; TRL 1.16's use_adaptive_entropy, its defaults): the bonus
@@ -494,62 +609,43 @@ class AdaptiveEntropy:
         self.coef = min(max(self.coef + step, self.low), self.high)
 
 
-def trained_tokens(entropy: Tensor | None, mask: Tensor, quantile: float) -> Tensor:
-    """The tokens the policy term trains on: every valid one, or with quantile < 1 the high-entropy ones."""
-    return mask if quantile >= 1.0 else mask * high_entropy_mask(entropy.detach(), mask, quantile)
+# ---------------------------------------------------------------------------------------------------------------
+# 9. The config check (once, at start-up)
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def policy_loss(
-    logp: Tensor,  # (B, T) log pi_theta of the completion tokens, with gradient
-    old_logp: Tensor,  # (B, T) log pi_old, the sampling policy before this rollout's first update
-    advantages: Tensor,  # (B,) one per sequence, or (B, T) one per token
-    mask: Tensor,  # (B, T) 1 for completion tokens up to and including the first EOS
-    norm: StepNorm,  # normalisers of the whole optimizer step
-    cfg: LossConfig,  # checked once at start-up (flags.validate calls check_config), not here
-    ref_logp: Tensor | None = None,  # (B, T) log pi_ref; needed only when cfg.beta > 0
-    rollout_weight: Tensor | None = None,  # (B, T) or (B, 1): rollout_correction_weights, applied before the KL
-    entropy: Tensor | None = None,  # (B, T) pi_theta's per-token entropy (with gradient for the entropy bonus)
-    generator: torch.Generator | None = None,  # Clip-Cov's random draw
-) -> Tensor:
-    """The loss of one micro-batch: per unit the surrogate of `cfg.surrogate` (see surrogate_loss), times the
-    rollout correction's weight if any, plus beta times the KL estimate on every token (with kl_in "loss"; times
-    the importance ratio with kl_ratio_correction), aggregated by loss_agg_mode; with top_entropy_quantile < 1 the
-    policy term only on the highest-entropy tokens; with entropy_coef, minus coef times their mean entropy (TRL 1.16's
-    bonus: a mean over the micro-batch's trained tokens, divided by the step's number of micro-batches).
-
-    clip   (GRPO, Dr.GRPO, DAPO at token level; GSPO at sequence level, where w = s_i and L_it = L_i on every token)
-        L_u = -min(w_u A_u, clip(w_u, 1-eps, 1+eps_high) A_u)
-    cispo  L_it = -sg(clip(rho_it, 1-eps, 1+eps_high)) A_i log pi_theta(y_it)
-    sapo   L_it = -f(rho_it) A_i,  f(rho) = sigmoid(tau (rho - 1)) 4 / tau,  tau = tau_pos if A > 0 else tau_neg
-    gmpo   L_i = -A_i exp((1/|y_i|) sum_t l'_it),  l'_it = l_it clipped to [-eps, eps_high] on the side A's sign picks
-
-    Summing the returned losses of the micro-batches of a step (each with the step's `norm`) gives exactly the
-    loss of the whole step. The ratio and clip statistics of the update are `ratio_diagnostics`, computed once per
-    update over every row it scored.
-    """
-    mask = mask.to(logp.dtype)
-    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
-    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator)  # (B, T)
-    effective = trained_tokens(entropy, mask, cfg.top_entropy_quantile)  # (B, T)
-    if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
-        per_token = per_token * effective
-    if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
-        per_token = per_token * rollout_weight
-    if cfg.beta > 0 and cfg.kl_in == "loss":
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs reference log-probs (ref_logp); set beta=0 to train without KL")
-        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)  # (B, T)
-        if cfg.kl_ratio_correction:  # KL_it * w_it, w the (unclipped, differentiable) ratio at the objective's level
-            kl = kl * importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
-        per_token = per_token + cfg.beta * kl
-    loss = aggregate(per_token, mask, cfg.loss_agg_mode, norm)
-    if cfg.entropy_coef != 0.0:  # L - coef H, H the mean entropy over the trained tokens of each micro-batch (TRL's)
-        loss = loss - cfg.entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1) / norm.micro_batches
-    return loss
+def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
+    """Combinations the maths does not define, each as a ValueError that says what to use instead."""
+    if cfg.surrogate == "cispo" and cfg.importance_sampling_level != "token":
+        raise ValueError("CISPO weights each token's log-probability by its own capped ratio; a sequence-level "
+                         "weight is not defined for it (TRL refuses it too): use --importance-sampling-level token")
+    if cfg.surrogate == "gmpo" and cfg.importance_sampling_level != "sequence":
+        raise ValueError("GMPO's weight is one per sequence (the geometric mean of its clipped token ratios): use "
+                         "--importance-sampling-level sequence")
+    if per_token_advantages and (cfg.importance_sampling_level == "sequence"):
+        raise ValueError("sequence-level importance sampling needs one advantage per sequence; "
+                         "use importance_sampling_level='sequence_token' for per-token advantages")
+    if cfg.surrogate in ("clip_cov", "kl_cov") and cfg.importance_sampling_level != "token":
+        raise ValueError(f"{cfg.surrogate} acts on single tokens (their covariance with the advantage): use "
+                         "--importance-sampling-level token")
+    if cfg.clip_ratio_c is not None and cfg.surrogate != "clip":
+        raise ValueError(f"dual-clip (--clip-ratio-c) caps PPO's clip surrogate; {cfg.surrogate} bounds its ratio its "
+                         "own way: drop --clip-ratio-c (or use --surrogate clip)")
+    if cfg.clip_ratio_c is not None and cfg.clip_ratio_c <= 1:
+        raise ValueError(f"--clip-ratio-c must be above 1 (got {cfg.clip_ratio_c:g}; verl's default is 3): the cap "
+                         "-c A must lie above the clip's own -A (1 - epsilon)")
+    if not 0.0 < cfg.top_entropy_quantile <= 1.0:
+        raise ValueError(f"--top-entropy-quantile is the fraction of tokens kept, in (0, 1] (got "
+                         f"{cfg.top_entropy_quantile:g}; the 80/20 paper keeps 0.2)")
+    if cfg.kl_ratio_correction and cfg.kl_in == "reward":
+        raise ValueError("--kl-ratio-correction weighs the loss's KL term by the importance ratio; with --kl-in "
+                         "reward there is no KL term in the loss: drop one of the two")
+    if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
+        raise ValueError("SAPO's temperatures must be > 0")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Diagnostics: what the GSPO paper is about
+# 10. Diagnostics: what the GSPO paper is about, read from the rules above
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -567,22 +663,17 @@ def masked_var(x: Tensor, mask: Tensor) -> float:
 
 
 def clip_fractions(w: Tensor, adv: Tensor, eps_low: float, eps_high: float, valid: Tensor) -> tuple[float, float]:
-    """Fractions of valid units where clipping binds, i.e. changes the gradient (low, high).
-
-    low binds when w < 1 - eps_low and A < 0; high when w > 1 + eps_high and A > 0. A ratio out of range on the
-    other side (w < 1 - eps with A > 0, say) is not clipped: the min keeps the unclipped term and its gradient.
-    """
-    low = (w < 1 - eps_low) & (adv < 0) & valid
-    high = (w > 1 + eps_high) & (adv > 0) & valid
+    """Fractions of valid units where PPO's clip binds (ppo_clipped), on the low side (A < 0) and the high (A > 0)."""
+    clipped = ppo_clipped(w, adv, eps_low, eps_high) & valid
     n = valid.sum().clamp(min=1)
-    return float(low.sum() / n), float(high.sum() / n)
+    return float((clipped & (adv < 0)).sum() / n), float((clipped & (adv > 0)).sum() / n)
 
 
 def dual_clip_fraction(w: Tensor, adv: Tensor, cfg: LossConfig, mask: Tensor) -> float:
     """Fraction of the units (tokens; all of a sequence's at sequence level) whose loss dual-clip capped: A < 0 and
     the clip surrogate above -c A. w, adv and mask broadcast to (B, T)."""
     loss = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
-    return masked_mean(((adv < 0) & (loss > -cfg.clip_ratio_c * adv)).float().expand_as(mask), mask)
+    return masked_mean(dual_capped(loss, adv, cfg.clip_ratio_c).float().expand_as(mask), mask)
 
 
 def cov_fraction(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> float:
@@ -591,20 +682,8 @@ def cov_fraction(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg:
     n = int(mask.sum())
     if cfg.surrogate == "kl_cov":
         return cov_tokens(n) / max(n, 1)
-    ratio = torch.exp(logp - old_logp)
-    valid = mask > 0
-    clipped = (-adv * torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high) > -adv * ratio) & valid
-    cov = token_covariance(logp, adv, mask)
-    candidates = int(((cov < CLIP_COV_UB) & (cov > CLIP_COV_LB) & valid & ~clipped).sum())
+    candidates = int(clip_cov_candidates(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high).sum())
     return min(cov_tokens(n), candidates) / max(n, 1)
-
-
-def sapo_gate_slope(w: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
-    """f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)): the weight SAPO's gate leaves on a unit's gradient
-    (1 on-policy, toward 0 far from w = 1)."""
-    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
-    sig = torch.sigmoid(tau * (w - 1))
-    return 4 * sig * (1 - sig)
 
 
 def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: Tensor) -> float:
@@ -616,7 +695,7 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
         return cov_tokens(int(valid.sum())) / max(int(valid.sum()), 1)
     if cfg.surrogate == "cispo":
         rho = torch.exp(log_ratio)
-        capped = ((rho < 1 - cfg.epsilon) | (rho > 1 + cfg.epsilon_high)) & valid
+        capped = (cispo_weight(rho, cfg.epsilon, cfg.epsilon_high) != rho) & valid
         return float(capped.sum() / valid.sum().clamp(min=1))
     if cfg.surrogate == "gmpo":  # sign-aware like PPO's: a token with A = 0 has no side to clip (sgn(0) = 0 would
         # zero its l'_it, a change that carries no gradient, so it is not counted)
