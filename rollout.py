@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import rewards
+from base.errors import UserError
 
 
 @dataclass
@@ -187,20 +188,138 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, wi
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                        temperature: float = 1.0, with_entropy: bool = False):
+                        temperature: float = 1.0, with_entropy: bool | str = False, chunk: int = 0):
     """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
 
-    One forward pass that computes only the T logits predicting completion tokens (logits_to_keep); see
-    token_logprobs for the rest (and `with_entropy`).
+    One forward pass. Where the T completion positions' logits of every row fit in one chunk (`chunk` positions,
+    or with 0 CHUNK_ENTRIES / V of them: all of the embedded model's), or with `chunk` -1, the model computes those
+    logits (logits_to_keep) and token_logprobs takes them row by row. Otherwise no (B, T, V) tensor is made: the model
+    stops at its last hidden states and HeadLogprobs computes the head, the log-softmax and the gather `chunk`
+    positions at a time, again in the backward (see `with_entropy` in token_logprobs).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=num_completion + 1, use_cache=False).logits
-    # position t of the kept logits predicts completion token t; the last one predicts beyond the sequence
-    return token_logprobs(logits[:, :-1], input_ids[:, -num_completion:], temperature, with_entropy)
+    targets = input_ids[:, -num_completion:]  # (B, T)
+    head, decoder = output_layers(model)
+    size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // head.out_features)
+    if chunk < 0 or size >= targets.numel() or decoder is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=num_completion + 1, use_cache=False).logits
+        # position t of the kept logits predicts completion token t; the last one predicts beyond the sequence
+        return token_logprobs(logits[:, :-1], targets, temperature, with_entropy)
+    seen = []  # the decoder's output: the last hidden states, after the final norm, as the head reads them
+    hook = decoder.register_forward_hook(lambda module, args, out: seen.append(out[0] if isinstance(out, tuple)
+                                                                               else out.last_hidden_state))
+    try:  # every layer runs; the head only on the last position (B x V logits, which check_head reads)
+        last = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
+                     use_cache=False).logits
+    finally:
+        hook.remove()
+    hidden = seen[-1]  # (B, L, h)
+    dtype = autocast_dtype(model)
+    check_head(head, hidden[:, -1:], last, dtype)
+    b, t = targets.shape
+    logp, entropy = HeadLogprobs.apply(hidden[:, -t - 1:-1].reshape(b * t, -1), head.weight, head.bias,
+                                       targets.reshape(-1), temperature, size, with_entropy, dtype)
+    logp = logp.view(b, t)
+    return (logp, entropy.view(b, t)) if with_entropy else logp
 
 
-def logprobs(model, ro: Rollout, rows: Tensor, temperature: float = 1.0, with_entropy: bool | str = False):
+CHUNK_ENTRIES = 2**24  # logit entries per chunk by default (--logprob-chunk 0): 64 MiB in fp32; 110 positions at
+# Qwen's 151,936-token vocabulary, 341 at SmolLM2's 49,152
+
+
+def output_layers(model):
+    """(the head, the decoder whose output it reads) of a causal LM, through DDP's wrapper (.module) and
+    model.AdapterOff (.model); the decoder is None where the model has no get_decoder."""
+    inner = getattr(model, "module", model)
+    if not hasattr(inner, "get_output_embeddings"):
+        inner = inner.model
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    return inner.get_output_embeddings(), decoder
+
+
+def autocast_dtype(model):
+    """The dtype model.compute_in runs `model`'s forwards in under autocast, or None (fp32)."""
+    inner = getattr(model, "module", model)
+    return getattr(inner, "autocast_dtype", None) or getattr(getattr(inner, "model", None), "autocast_dtype", None)
+
+
+def check_head(head, hidden: Tensor, logits: Tensor, dtype) -> None:
+    """The chunked path reads the head as logits = head(last hidden state): true of Llama, Qwen, Mistral and most
+    decoders; not of one that scales or soft-caps its logits after the head (Gemma 2, Cohere, Granite), refused."""
+    with torch.no_grad(), torch.autocast(hidden.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        mine = head(hidden)
+    if not torch.allclose(mine.float(), logits.float(), rtol=1e-3, atol=1e-3):
+        raise HeadError("this model's logits are not its head applied to its last hidden states (it scales or caps "
+                        "them): pass --logprob-chunk -1 to compute whole logits instead")
+
+
+class HeadError(UserError, ValueError):
+    """A model whose logits the chunked log-probs cannot compute from its head."""
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / temperature) at the targets, and the entropy, for N positions' hidden states (N, h), `size`
+    positions at a time; the backward computes each chunk's logits again instead of keeping any. Numerically
+    token_logprobs's arithmetic (logits in the compute dtype, then fp32); d/dz of log p_y is onehot(y) - p, of the
+    entropy -p (log p + H), z = logits / temperature. with_entropy: False, True (no gradient) or "grad"."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, size, with_entropy, dtype):
+        logp = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else torch.empty(0, device=hidden.device)
+        for s in range(0, len(targets), size):
+            z, lse = HeadLogprobs.scores(hidden[s:s + size], weight, bias, temperature, dtype)
+            logp[s:s + size] = z.gather(-1, targets[s:s + size, None]).squeeze(-1) - lse
+            if with_entropy:
+                entropy[s:s + size] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.size, ctx.with_entropy, ctx.dtype = temperature, size, with_entropy, dtype
+        if with_entropy != "grad":
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def scores(h, weight, bias, temperature, dtype):
+        """z = head(h) / temperature in fp32 (the head in the compute dtype, as under the model's autocast), and its
+        log-sum-exp: (n, V), (n,)."""
+        with torch.autocast(h.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            raw = torch.nn.functional.linear(h, weight, bias)
+        z = raw.float() / temperature
+        return z, torch.logsumexp(z, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        g_hidden = torch.zeros_like(hidden) if want_h else None
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        on = dict(device_type=hidden.device.type, dtype=ctx.dtype or torch.float32, enabled=ctx.dtype is not None)
+        for s in range(0, len(targets), ctx.size):
+            h = hidden[s:s + ctx.size]
+            z, lse = HeadLogprobs.scores(h, weight, bias, ctx.temperature, ctx.dtype)
+            p = torch.softmax(z, dim=-1)  # (n, V)
+            g_z = -p * g_logp[s:s + ctx.size, None]
+            g_z.scatter_add_(-1, targets[s:s + ctx.size, None], g_logp[s:s + ctx.size, None])
+            if ctx.with_entropy == "grad":
+                entropy = lse - (p * z).sum(-1)
+                g_z -= p * (z - lse[:, None] + entropy[:, None]) * g_entropy[s:s + ctx.size, None]
+            g_raw = (g_z / ctx.temperature).to(ctx.dtype or hidden.dtype)  # the head's output dtype
+            with torch.autocast(**on):
+                if want_h:
+                    g_hidden[s:s + ctx.size] = torch.matmul(g_raw, weight).to(hidden.dtype)
+                if want_w:
+                    g_weight += torch.matmul(g_raw.t(), h).float()
+            if want_b:
+                g_bias += g_raw.float().sum(0)
+        g_weight = None if g_weight is None else g_weight.to(weight.dtype)
+        g_bias = None if g_bias is None else g_bias.to(bias.dtype)
+        return g_hidden, g_weight, g_bias, None, None, None, None, None
+
+
+def logprobs(model, ro: Rollout, rows: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,
+             chunk: int = 0):
     """log pi(y_t) of the completion tokens of some rows of a rollout under `model`: (n, T) (completion_logprobs)."""
     return completion_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows], ro.completion_ids.shape[1],
-                               temperature, with_entropy)
+                               temperature, with_entropy, chunk)

@@ -256,11 +256,13 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     if source == "sampler":
         old_logp, old_entropy = ro.sampler_logp, ro.sampler_entropy
     elif source == "recompute":  # PLUMBING (score_rows): in micro-batches, halved after an out-of-memory error
-        old_logp, old_entropy = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, True),
+        old_logp, old_entropy = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, True,
+                                                                         args.logprob_chunk),
                                            everything, mb_size, args.micro_batch_size)
     if cfg.beta > 0 and cfg.kl_in == "loss":
-        ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature), everything,
-                              mb_size, args.micro_batch_size)
+        ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature,
+                                                            chunk=args.logprob_chunk), everything, mb_size,
+                              args.micro_batch_size)
 
     # the current policy's entropy, where the objective reads it (with gradient for the bonus)
     needs_entropy = "grad" if cfg.entropy_coef != 0.0 or entropy_control else \
@@ -271,9 +273,9 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         """The objective on some rows of an optimizer step, with the step's normalisers; and what it saw."""
         entropy = None
         if needs_entropy:
-            logp, entropy = rollout.logprobs(net, ro, rows, args.temperature, needs_entropy)
+            logp, entropy = rollout.logprobs(net, ro, rows, args.temperature, needs_entropy, args.logprob_chunk)
         else:
-            logp = rollout.logprobs(net, ro, rows, args.temperature)
+            logp = rollout.logprobs(net, ro, rows, args.temperature, chunk=args.logprob_chunk)
         old = logp.detach() if source == "on-policy" else old_logp[rows]
         # ALGO: --rollout-correction: w = pi_old / mu reweights each unit's loss (losses.py)
         weight = None if correction is None else losses.rollout_correction_weights(old, mu[rows], mask[rows], *correction)
@@ -330,7 +332,8 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)
     if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
         on, rows = batch.ro.to(policy.device), torch.arange(len(batch.ro.lengths), device=policy.device)
-        ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature), rows,
+        ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature,
+                                                         chunk=args.logprob_chunk), rows,
                               len(rows) // args.num_minibatches, args.micro_batch_size).cpu()  # PLUMBING: as pi_old's
         reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)

@@ -41,6 +41,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.num_generations < 2, "--num-generations must be at least 2 (got {num_generations}): a group "
                                       "advantage compares completions of the same prompt"),
     (lambda a: a.num_prompts < 1, "--num-prompts must be at least 1 (got {num_prompts})"),
+    (lambda a: a.logprob_chunk < -1, "--logprob-chunk must be a number of positions, 0 (chosen from the vocabulary) "
+                                     "or -1 (whole logits) (got {logprob_chunk})"),
     (lambda a: a.advantage_estimator == "maxrl" and a.overlong_weight > 0,
      "--advantage-estimator maxrl divides by the group's mean reward, which needs rewards >= 0, and DAPO's overlong "
      "punishment makes them negative; use --overlong-weight 0 (or another estimator)"),

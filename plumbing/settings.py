@@ -35,6 +35,10 @@ class Hardware:
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
     each out-of-memory error)"""
+    logprob_chunk: int = 0
+    """completion positions whose logits are made at once when log-probs are computed from the last hidden states
+    (again in the backward), so that no rows x tokens x vocabulary tensor is held; 0: 2^24 / vocabulary size (110 at
+    Qwen's 151,936; every position of the embedded model, whose logits are then made whole); -1: always whole logits"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of keeping them (transformers' own, non-reentrant): less
     memory for long completions at the cost of a second forward per layer; the same loss and gradient. Acts in the

@@ -124,3 +124,113 @@ def test_mismatch_metrics_read_what_they_say():
     d = torch.tensor([0.3, -0.1, 0.1, 1e-4, 2e-4])
     assert m["mismatch/kl_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-5)
     assert diagnostics.mismatch_metrics(mu, mu, mask)["mismatch/kl_k3"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Log-probs a chunk of positions at a time, from the last hidden states (issue 48)
+# ---------------------------------------------------------------------------------------------------------------
+
+CHUNKED_CASES = {  # the objective, and what else the loss reads
+    "gspo": dict(algo="gspo"),
+    "grpo, beta > 0": dict(algo="grpo"),
+    "grpo, LoRA, beta > 0": dict(algo="grpo", lora=True),
+    "dapo, entropy bonus": dict(algo="dapo", entropy_coef=0.01),
+    "grpo, top-entropy tokens": dict(algo="grpo", beta=0.0, top_entropy_quantile=0.5),
+    "clip-cov": dict(algo="grpo", beta=0.0, surrogate="clip_cov"),
+    "kl-cov": dict(algo="grpo", beta=0.0, surrogate="kl_cov"),
+}
+
+
+def loss_and_grads(policy, ref, ro, cfg, adv, chunk, dtype=None):
+    """One micro-batch's loss as train.update makes it (policy_loss over rollout.logprobs, the reference's too),
+    and the gradient of every trained parameter."""
+    import copy
+
+    import losses
+
+    policy.zero_grad(set_to_none=True)
+    rows = torch.arange(len(ro.lengths))
+    mask = ro.completion_mask.float()
+    needs_entropy = "grad" if cfg.entropy_coef else cfg.top_entropy_quantile < 1.0
+    out = rollout.logprobs(policy, ro, rows, 0.8, needs_entropy, chunk)
+    logp, entropy = out if needs_entropy else (out, None)
+    with torch.no_grad():
+        old = rollout.logprobs(policy, ro, rows, 0.8, chunk=chunk) - 0.05 * torch.sin(torch.arange(mask.numel())).view_as(mask)
+        ref_logp = None if ref is None else rollout.logprobs(ref, ro, rows, 0.8, chunk=chunk)
+    loss = losses.policy_loss(logp, old, adv, mask, losses.StepNorm.of(mask, mask.shape[1]), cfg, ref_logp,
+                              entropy=entropy, generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    return loss.detach(), logp.detach(), [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+def test_chunked_logprobs_give_the_whole_logits_values_and_gradients(tiny_policy_dir, case):
+    """--logprob-chunk 5 against whole logits (-1) on the same rollout: the loss, the log-probs and every gradient
+    equal within 1e-6 in fp32, gradients relative to their largest entry (the chunks' own rounding of the
+    log-softmax's backward, no more)."""
+    import copy
+    from dataclasses import replace
+
+    import losses
+
+    spec = dict(CHUNKED_CASES[case])
+    lora, algo = spec.pop("lora", False), spec.pop("algo")
+    cfg = replace(losses.PRESETS[algo], **spec)
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    ro = rollout.generate(policy, tok, ["7 mod 3 =", "47 mod 13 =", "100 mod 17 =", "9 mod 4 ="] * 2, 24)
+    ref = None
+    if lora:
+        policy = models.add_lora(policy, 4, 8.0, models.LORA_TARGETS)
+        ref = models.AdapterOff(policy) if cfg.beta > 0 else None
+    elif cfg.beta > 0:
+        ref = models.frozen_reference(copy.deepcopy(policy))
+    adv = torch.linspace(-1.0, 1.2, len(ro.lengths))
+    whole = loss_and_grads(policy, ref, ro, cfg, adv, chunk=-1)
+    chunked = loss_and_grads(policy, ref, ro, cfg, adv, chunk=5)
+    assert ro.completion_ids.numel() > 5 * 10  # many chunks
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=1e-6)
+    scale = max(float(g.abs().max()) for g in whole[2])  # the largest gradient entry
+    assert max(float((a - b).abs().max()) for a, b in zip(chunked[2], whole[2])) <= 1e-6 * scale, case
+
+
+def test_chunked_logprobs_under_bf16_autocast_within_its_rounding(tiny_policy_dir):
+    """The same under bf16 autocast over fp32 weights: the log-probs are the same bits (the head runs in bf16 on the
+    same rows), the gradients within bf16's rounding (the chunks' sums of the head's gradient are kept in fp32)."""
+    import losses
+
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    policy = models.compute_in(policy, torch.bfloat16)
+    torch.manual_seed(0)
+    ro = rollout.generate(policy, tok, ["7 mod 3 =", "47 mod 13 ="] * 4, 24)
+    adv = torch.linspace(-1.0, 1.2, len(ro.lengths))
+    whole = loss_and_grads(policy, None, ro, losses.PRESETS["gspo"], adv, chunk=-1)
+    chunked = loss_and_grads(policy, None, ro, losses.PRESETS["gspo"], adv, chunk=5)
+    assert torch.equal(chunked[1], whole[1])
+    scale = max(float(g.abs().max()) for g in whole[2])
+    assert max(float((a - b).abs().max()) for a, b in zip(chunked[2], whole[2])) <= 2 ** -7 * scale
+
+
+def test_a_model_whose_logits_are_not_its_head_is_refused_in_the_chunked_path(tiny_policy_dir):
+    """Gemma 2, Cohere and Granite scale or cap their logits after the head; the chunked path cannot see that, so
+    it says so (whole logits, -1, still work)."""
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    real = policy.forward
+
+    def capped(*a, **kw):  # a soft cap after the head, as Gemma 2's final_logit_softcapping
+        out = real(*a, **kw)
+        out.logits = 30 * torch.tanh(out.logits / 30)
+        return out
+
+    policy.forward = capped
+    ids, mask = torch.randint(5, 100, (2, 20)), torch.ones(2, 20, dtype=torch.long)
+    with pytest.raises(rollout.HeadError, match="--logprob-chunk -1"):
+        rollout.completion_logprobs(policy, ids, mask, 12, chunk=4)
+    assert rollout.completion_logprobs(policy, ids, mask, 12, chunk=-1).shape == (2, 12)
+
+
+def test_the_default_chunk_keeps_whole_logits_where_they_are_small():
+    """--logprob-chunk 0 takes 2^24 / V positions a chunk: all of the embedded model's (V = 100, so its default run
+    computes exactly as before), 110 at Qwen's 151,936-token vocabulary."""
+    assert rollout.CHUNK_ENTRIES // 100 > 16 * 8 * 64 and rollout.CHUNK_ENTRIES // 151936 == 110
