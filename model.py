@@ -72,6 +72,22 @@ def _autocast_forward(model, dtype, *args, **kwargs):
         return type(model).forward(model, *args, **kwargs)
 
 
+def head_in_fp32(model):
+    """TRL's cast_lm_head_to_fp32 (after ScaleRL, 2510.13913): the head computes in fp32 whatever autocast does to
+    the rest of `model`, in generate as in every scoring pass, so that bf16's rounding of the last matmul does not
+    enter the ratios (a LoRA base's bf16 head is stored in fp32 for it). A partial, as in compute_in: a copy of the
+    model (the reference) gets its own."""
+    head = model.get_output_embeddings()
+    head.float()
+    head.forward, head.fp32 = functools.partial(_fp32_forward, head), True
+    return model
+
+
+def _fp32_forward(head, x):
+    with torch.autocast(x.device.type, enabled=False):
+        return type(head).forward(head, x.float())
+
+
 def compute_dtype(model) -> torch.dtype:
     """The precision `model`'s forwards compute in (compute_in), which is what rounding depends on."""
     return getattr(model, "autocast_dtype", None) or model.dtype
@@ -87,7 +103,7 @@ def frozen_reference(model):
     if dtype != torch.float32:
         embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings:
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings and not getattr(m, "fp32", False):
                 m.to(dtype)
     return model
 
@@ -343,12 +359,13 @@ class AdapterOff:
             return self.model(**kwargs)
 
 
-def save_final(model, tokenizer, folder: Path, merge: bool) -> None:
+def save_final(model, tokenizer, folder: Path, merge: bool, state: dict | None = None) -> None:
     """The final policy: the whole model, or under LoRA its adapter, and with `merge` also the base with the
     adapter merged in (folder/merged, a plain model that --model loads). A full fine-tune trains fp32 weights and is
     saved in the model's own dtype (a bf16 model's final/ is bf16, as its hub folder was); each folder keeps the
-    model's own generation_config.json (its sampling defaults), not the one this trainer samples with."""
-    as_published(model, folder)
+    model's own generation_config.json (its sampling defaults), not the one this trainer samples with. `state`: the
+    weights to write where `model` holds only a shard of them (--fsdp: ddp.full_state_dict)."""
+    as_published(model, folder, state)
     tokenizer.save_pretrained(folder)
     if merge and is_lora(model):
         merged = model.merge_and_unload()
@@ -356,24 +373,31 @@ def save_final(model, tokenizer, folder: Path, merge: bool) -> None:
         tokenizer.save_pretrained(folder / "merged")
 
 
-def as_published(model, folder: Path) -> None:
-    """save_pretrained with the model's own generation config, and its weights in its own dtype (a full model)."""
+def as_published(model, folder: Path, state: dict | None = None) -> None:
+    """save_pretrained with the model's own generation config, and its weights (`state`, or the model's own) in its
+    own dtype (a full model)."""
     own, ours = getattr(model, "own_generation_config", None), model.generation_config
     dtype = getattr(model, "own_dtype", None)
-    state = None
     if dtype is not None and not is_lora(model) and dtype != model.dtype:
         cast = {}  # one copy per storage, so that tied weights stay tied
         state = {k: cast.setdefault(v.untyped_storage().data_ptr(), v.detach().to("cpu", dtype))
-                 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+                 if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()}
     try:
         model.generation_config = own or ours
         model.save_pretrained(folder, state_dict=state)
     finally:
         model.generation_config = ours
-    if state is not None:  # the config names the dtype the weights were written in
+    if state is not None:  # the config names the dtype the weights were written in, and the model's own class
         config = json.loads((folder / "config.json").read_text())
-        config["dtype"] = str(dtype).removeprefix("torch.")
+        config["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
+        config["architectures"] = [own_class(model)]
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def own_class(model) -> str:
+    """The model's transformers class, under fully_shard's subclass (FSDPLlamaForCausalLM -> LlamaForCausalLM): what
+    a saved config.json must name for the folder to load as an ordinary model."""
+    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
 
 
 def prepare(model, tokenizer, device: torch.device):

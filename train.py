@@ -322,11 +322,13 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     t0 = time.time()
     policy.eval()
     # ALGO: G completions per prompt, sampled with generate and scored by the rule-based verifier
-    if args.dynamic_sampling:
-        batch, drawn_correct, drawn = dynamic_sampling(policy, tokenizer, stream, args, world)
-    else:
-        batch = sample_groups(policy, tokenizer, world.shard(stream.take(args.num_prompts)), args)
-        drawn_correct, drawn = torch.tensor(batch.scores["correct"]).view(-1, args.num_generations), args.num_prompts
+    with world.gathered(policy):  # PLUMBING: under --fsdp the whole model, gathered once for the rollout
+        if args.dynamic_sampling:
+            batch, drawn_correct, drawn = dynamic_sampling(policy, tokenizer, stream, args, world)
+        else:
+            batch = sample_groups(policy, tokenizer, world.shard(stream.take(args.num_prompts)), args)
+            drawn_correct, drawn = torch.tensor(batch.scores["correct"]).view(-1, args.num_generations), \
+                args.num_prompts
     policy.train()
     t1 = time.time()
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)

@@ -71,9 +71,9 @@ class StepLog:
         alike), and its gradient norm are finite. A non-finite one would poison the weights: the step is skipped."""
         loss = world.sum([step.loss])[0]
         self.seen += step.seen
-        if math.isfinite(loss) and torch.isfinite(grad_norm):
+        if math.isfinite(loss) and math.isfinite(norm := float(grad_norm)):  # (a DTensor under --fsdp)
             self.losses.append(loss)
-            self.grad_norms.append(float(grad_norm))
+            self.grad_norms.append(norm)
             return True
         self.skipped += 1
         return False
@@ -89,7 +89,7 @@ def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int):
     error), concatenated: a forward pass without gradient, e.g. pi_old's or the reference's log-probs of a rollout.
     It holds no collective, so under torchrun a rank halves alone too; its size is remembered apart from the
     update's, which every rank must split alike."""
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: FSDP's gather buffers made in it could not be written outside it
     def run(micro):
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import model as models
 from base.errors import UserError
+from plumbing import ddp
 
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
@@ -57,13 +59,18 @@ def path_of(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int) -> Path:
-    """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`."""
+def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, weights: dict | None = None) -> Path:
+    """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`. `weights`: the whole
+    model's state dict where `policy` holds a shard of it (--fsdp, gathered by ddp.full_state)."""
     root.mkdir(parents=True, exist_ok=True)
     final = path_of(root, step)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "model")
+    policy.save_pretrained(tmp / "model", state_dict=weights)
+    if weights is not None:  # the config names the model's own class, not fully_shard's subclass
+        config = json.loads((tmp / "model" / "config.json").read_text())
+        config["architectures"] = [models.own_class(policy)]
+        (tmp / "model" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(tmp / "model")
     torch.save(state, tmp / "state.pt")
     if final.exists():  # saving the same step again (a stop right after a periodic save)
@@ -144,20 +151,28 @@ def rank_rngs(state: dict) -> list[dict]:
 
 
 def check_world_size(state: dict, world_size: int, path: Path) -> None:
-    """A checkpoint holds one RNG state per process; an exact resume needs the same number of processes."""
+    """A checkpoint holds one RNG state per process; an exact resume needs the same number of processes. A sharded
+    one (--fsdp) resumes at any number: the same weights and optimizer state, resharded (restore)."""
     saved = len(rank_rngs(state))
-    if saved != world_size:
+    if saved != world_size and not state.get("sharded"):
         how = "python train.py" if saved == 1 else f"torchrun --nproc-per-node {saved} train.py"
         raise CheckpointError(f"{path} was written by {saved} process{'es' if saved > 1 else ''}, this run has "
                               f"{world_size}; resume it with `{how} ...`")
 
 
-def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, rank: int = 0) -> tuple[int, float]:
+def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, rank: int = 0,
+            sharded_model=None) -> tuple[int, float]:
     """Put optimizer, scheduler, this rank's RNG streams and the prompt cursor back; returns (first step, minutes
-    already spent)."""
-    optimizer.load_state_dict(state["optimizer"])
+    already spent). A sharded checkpoint's optimizer state goes into `sharded_model`'s shards; at another number of
+    processes a rank without a saved RNG state keeps its fresh seed (the run goes on from the same weights and
+    optimizer state, not as the uninterrupted run would)."""
+    if state.get("sharded"):
+        ddp.load_optimizer_state(sharded_model, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    restore_rng(rank_rngs(state)[rank], gen)
+    if rank < len(rank_rngs(state)):
+        restore_rng(rank_rngs(state)[rank], gen)
     stream.cursor = state["cursor"]
     return state["step"] + 1, state.get("minutes", 0.0)
 

@@ -14,6 +14,13 @@ rank's loss was divided by the same number. A rank that divided by its own token
 weight the tokens of a rank with short answers more. So each rank's loss uses the global normaliser and is scaled by
 N before backward: mean_r(N * grad L_r) = sum_r grad L_r, the gradient of the one-process loss on the union.
 
+Sharded (`--fsdp`): the same loop, but each rank holds 1/N of every weight, gradient and AdamW moment (PyTorch's
+FSDP2, `fully_shard` on each decoder layer and then the root; parameters become DTensors). A forward gathers each
+layer's weights just before it runs and frees them after; the backward reduce-scatters each layer's gradients,
+averaged over ranks as DDP's are, so the same x N scaling gives the union's gradient. Generation gathers the whole
+model once per rollout (`gathered`), not once per token, and no collective runs inside generate, so ranks that
+stop at different lengths do not wait on each other. bf16 stays autocast over the fp32 shards (as in one process).
+
 A single process (no torchrun) is the world of size 1: every method here then returns its input unchanged.
 """
 
@@ -41,6 +48,7 @@ class World:
     cpu_group: object = None  # a gloo group for metrics and objects (the default group may be NCCL)
     distributed: bool = False  # in a process group (torchrun), even of one process: train through DDP
     ddp_model: torch.nn.Module | None = None  # the DistributedDataParallel wrapper the update trains through
+    sharded: torch.nn.Module | None = None  # under --fsdp: the policy, sharded in place (fully_shard)
 
     @property
     def main(self) -> bool:
@@ -119,17 +127,96 @@ class World:
         return self.ddp_model if self.ddp_model is not None else policy
 
     def sync_gradients(self, last: bool):
-        """Gradient accumulation: all-reduce only on the optimizer step's last micro-batch backward."""
+        """Gradient accumulation: all-reduce (FSDP: reduce-scatter) only on the optimizer step's last micro-batch."""
+        if self.sharded is not None:
+            return _gradient_sync(self.sharded, last)
         return self.ddp_model.no_sync() if self.ddp_model is not None and not last else contextlib.nullcontext()
 
-    def wrap(self, policy: torch.nn.Module) -> None:
-        if self.distributed:
+    def gathered(self, policy: torch.nn.Module):
+        """Under --fsdp: the whole model gathered on every rank for the block (a rollout's or an evaluation's
+        generate calls), freed after it. Otherwise nothing."""
+        return _gathered(self.sharded) if self.sharded is not None and policy is self.sharded else \
+            contextlib.nullcontext()
+
+    def wrap(self, policy: torch.nn.Module, fsdp: bool = False) -> None:
+        if self.distributed and fsdp:
+            self.sharded = shard(policy)
+        elif self.distributed:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 policy, device_ids=[device.index] if device.type == "cuda" else None, **no_buffer_sync())
 
 
 SINGLE = World()
+
+
+def shard(model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
+    """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
+    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = getattr(model, "module", model)
+    for layer in inner.get_decoder().layers:
+        fully_shard(layer)
+    fully_shard(inner)
+    if frozen:
+        inner.requires_grad_(False)
+    return inner
+
+
+def full_state_dict(model: torch.nn.Module) -> dict | None:
+    """A sharded model's whole state dict, gathered on rank 0 in host memory (None on the others); every rank calls
+    it (the final model: `final/` is an ordinary save_pretrained folder)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist.get_rank() == 0 else None
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict | None, dict | None]:
+    """A sharded model's and its AdamW's whole state dicts (parameter names as keys), gathered on rank 0 in host
+    memory ((None, None) on the others); every rank calls it. A checkpoint written from them reshards on load at any
+    number of processes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return (weights, optim) if dist.get_rank() == 0 else (None, None)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, optim: dict) -> None:
+    """full_state's optimizer dict into a sharded model's AdamW: each rank keeps its own shard of every moment."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True))
+
+
+def _units(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _gathered(model):
+    units = _units(model)
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model, sync: bool):
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def no_buffer_sync(ddp_class=None) -> dict:

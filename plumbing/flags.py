@@ -231,6 +231,8 @@ def validate(args, world_size: int = 1) -> None:
     if ddp.launched() and args.device in ("auto", "cuda") and 0 < gpus < local:
         raise ConfigError(f"torchrun starts {local} processes on this machine but it has {gpus} GPU(s), one per "
                           f"process; use --nproc-per-node {gpus} (or --device cpu)")
+    if args.fsdp:
+        check_fsdp(args)
     name = args.run_name
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
@@ -250,6 +252,16 @@ def validate(args, world_size: int = 1) -> None:
     check_wandb_login(args.wandb_mode)
     if args.lr_scheduler not in (names := working_schedulers()):  # last: it imports transformers' trainer (~5 s)
         raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
+
+
+def check_fsdp(args) -> None:
+    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA refused in one line."""
+    if not ddp.launched():
+        raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
+                          "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
+    if args.lora_rank > 0:
+        raise ConfigError("--fsdp does not work with --lora-rank (LoRA's adapters are small: use data parallel, "
+                          "without --fsdp)")
 
 
 def check_device(name: str) -> None:

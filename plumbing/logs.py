@@ -83,6 +83,12 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
+    if world.sharded is not None:
+        n = sum(p.numel() * p.element_size() for p in policy.parameters())
+        whole = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        lines.append(f"sharded (FSDP2): each of the {world.size} processes holds 1/{world.size} of the weights "
+                     f"({whole} in all), their gradients and AdamW's moments; generation gathers the whole model once "
+                     f"per rollout ({whole} on each process while it samples)")
     if len(test_set) < 20 and not args.eval_size:  # a small set of the user's own choosing needs no warning
         lines.append(f"warning: only {len(test_set)} held-out problem{'s' * (len(test_set) != 1)}: held-out accuracy "
                      f"moves in steps of 1/{len(test_set)}; pass a larger set of your own with --eval-dataset FILE")

@@ -126,7 +126,8 @@ def load_policy(args, path: Path | None = None):
         name = str(models.warm_start(seed=args.seed, settings=settings))
     try:
         policy, tokenizer = models.load_model(name, device, dtype if args.lora_rank else torch.float32)
-        return models.compute_in(policy, dtype), tokenizer  # LoRA: a bf16 base (its fp32 adapter is what trains)
+        policy = models.compute_in(policy, dtype)  # LoRA: a bf16 base (its fp32 adapter is what trains)
+        return (models.head_in_fp32(policy) if args.cast_lm_head_to_fp32 else policy), tokenizer
     except models.ModelError as e:
         if path is None:
             raise
@@ -219,15 +220,18 @@ class Run:
         return self.minutes_before + (time.time() - self.started) / 60
 
     def save(self, step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
-        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept)."""
+        """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept; under --fsdp
+        each sends its shards to rank 0, which writes the whole model and optimizer state)."""
         rngs = self.world.gather(rng or checkpoint.rng_state(self.gen))
+        weights, optim = ddp.full_state(self.policy, self.optimizer) if self.world.sharded is not None else (None, None)
         if self.world.main:
             checkpoint.save(self.run_dir / "checkpoints", step, self.policy, self.tokenizer, {
                 "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
+                "optimizer": optim or self.optimizer.state_dict(), "sharded": weights is not None,
+                "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
                 "wandb_id": self.logger.run.id, "before": self.before, "minutes": self.minutes(),
                 "entropy_control": None if self.entropy_control is None else vars(self.entropy_control),
-            }, self.args.keep_checkpoints)
+            }, self.args.keep_checkpoints, weights)
         self.world.barrier()
         return checkpoint.path_of(self.run_dir / "checkpoints", step)
 
@@ -270,7 +274,9 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if args.gradient_checkpointing:  # transformers applies it in train mode only: never during generate
             models.enable_checkpointing(policy)
         seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
-        world.wrap(policy)  # under torchrun: DistributedDataParallel (it checks every rank holds the same weights)
+        world.wrap(policy, args.fsdp)  # torchrun: DDP (it checks every rank holds the same weights); --fsdp: sharded
+        if world.sharded is not None and ref_policy is not None:
+            ddp.shard(ref_policy, frozen=True)
         trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
         # on a GPU the fused AdamW (transformers' default optimizer too): one kernel, no temporaries of the weights' size
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
@@ -283,10 +289,14 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         gen = torch.Generator().manual_seed(world.seed(args.seed))
         first_step, minutes_before = 1, 0.0
         if state:
-            first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank)
+            first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank,
+                                                            world.sharded)
             if world.main:  # the one writer of the run folder
                 checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
             print(f"resumed from {resume_from} at step {state['step']}")
+            if len(checkpoint.rank_rngs(state)) != world.size:  # (only a sharded checkpoint gets here)
+                print(f"note: written by {len(checkpoint.rank_rngs(state))} processes, resumed by {world.size}: the "
+                      "same weights and AdamW state, resharded; new sampling streams, so not the uninterrupted run")
         logger = folder.logger = logs.Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
         print({"on-policy": "fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no "
                              "forward pass and nothing clips; use --num-minibatches > 1 to see the ratios move",
@@ -319,9 +329,11 @@ def finish_run(run: Run, metrics: dict) -> dict:
                "rl_minutes": minutes}
     print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
           f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
+    # under --fsdp every rank sends its shards to rank 0, which writes them as one ordinary model
+    whole = ddp.full_state_dict(run.policy) if run.world.sharded is not None and args.save_model else None
     if run.world.main:
         if args.save_model:  # the policy, or its LoRA adapter (and with --merge-lora the merged model)
-            models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora)
+            models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora, whole)
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.logger.finish()
     run.world.barrier()
@@ -345,24 +357,25 @@ def evaluate(sample, policy, examples: list[task.Example], eval_samples: int, se
                                            len(part), 0, lambda: None, key=f"evaluate {greedy}")
         return out
 
-    correct, reward, texts = [], [], []
-    for scored in in_pieces(mine, greedy=True):
-        correct += scored.scores["correct"]
-        reward += scored.scores["reward"]
-        texts += scored.texts
-    sums = [float(np.sum(correct)), float(np.sum(reward))]
-    if eval_samples:
-        n = eval_samples
-        rows = [ex for ex in mine for _ in range(n)]
-        # its own random stream, seeded by the step: sampling here must not move the training run's stream
-        device = policy.device  # fork this rank's device only (by default fork_rng touches every GPU of the machine)
-        devices = [] if device.type == "cpu" else [device.index or 0]
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            torch.manual_seed(world.seed(seed * 100_003 + step))
-            hits = [c for scored in in_pieces(rows, greedy=False) for c in scored.scores["correct"]]
-        per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
-        ks = sorted({1, n})
-        sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
+    with world.gathered(policy):  # under --fsdp the whole model, once for all of it
+        correct, reward, texts = [], [], []
+        for scored in in_pieces(mine, greedy=True):
+            correct += scored.scores["correct"]
+            reward += scored.scores["reward"]
+            texts += scored.texts
+        sums = [float(np.sum(correct)), float(np.sum(reward))]
+        if eval_samples:
+            n = eval_samples
+            rows = [ex for ex in mine for _ in range(n)]
+            # its own random stream, seeded by the step: sampling here must not move the training run's stream
+            device = policy.device  # fork this rank's device only (fork_rng touches every GPU by default)
+            devices = [] if device.type == "cpu" else [device.index or 0]
+            with torch.random.fork_rng(devices=devices, device_type=device.type):
+                torch.manual_seed(world.seed(seed * 100_003 + step))
+                hits = [c for scored in in_pieces(rows, greedy=False) for c in scored.scores["correct"]]
+            per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
+            ks = sorted({1, n})
+            sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
     sums = world.sum(sums)
     out = {"eval/accuracy": sums[0] / len(examples), "eval/reward": sums[1] / len(examples)}
     if eval_samples:

@@ -35,10 +35,17 @@ class Hardware:
     micro_batch_size: int = 0
     """rows per forward/backward (gradient accumulation); 0: sized to the machine (a whole minibatch, halved on
     each out-of-memory error)"""
+    cast_lm_head_to_fp32: bool = False
+    """the head (the last matmul, vocabulary-wide) in fp32 under bf16 autocast, in generate and every scoring pass,
+    so its bf16 rounding does not enter the ratios (TRL's cast_lm_head_to_fp32, after ScaleRL)"""
     logprob_chunk: int = 0
     """completion positions whose logits are made at once when log-probs are computed from the last hidden states
     (again in the backward), so that no rows x tokens x vocabulary tensor is held; 0: 2^24 / vocabulary size (110 at
     Qwen's 151,936; every position of the embedded model, whose logits are then made whole); -1: always whole logits"""
+    fsdp: bool = False
+    """under torchrun: shard the policy's weights, gradients and AdamW state over the processes (PyTorch's FSDP2,
+    fully_shard on each decoder layer and then the root), so each holds 1/N of them, instead of a copy on each
+    (data parallel). Generation gathers the whole model once per rollout"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of keeping them (transformers' own, non-reentrant): less
     memory for long completions at the cost of a second forward per layer; the same loss and gradient. Acts in the

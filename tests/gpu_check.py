@@ -358,8 +358,8 @@ print("RESULT " + json.dumps(oom_update(sys.argv[1], float(sys.argv[2]), int(sys
 
 
 def oom_update(device: str, headroom_gib: float, completion: int = 512) -> dict:
-    """One update of a model whose logits dominate (vocab 151,936), 16 rows x `completion` tokens per step with
-    --micro-batch-size 0, in a process whose memory is capped `headroom_gib` above what it holds before the update:
+    """One update of a model whose logits dominate (vocab 151,936, computed whole: --logprob-chunk -1), 16 rows x
+    `completion` tokens per step with --micro-batch-size 0, in a process whose memory is capped `headroom_gib` above what it holds before the update:
     CUDA's per-process memory fraction, on a CPU the address space (RLIMIT_AS). Returns the sizes the halving
     took, the loss and the skipped updates."""
     import io
@@ -378,7 +378,7 @@ def oom_update(device: str, headroom_gib: float, completion: int = 512) -> dict:
     ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
                          torch.ones(n, completion, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
     args, cfg = runs.resolve(train.Args(algo="grpo", num_minibatches=1, max_new_tokens=completion, beta=0.0,
-                                        device=device))
+                                        device=device, logprob_chunk=-1))  # whole logits: their size is the point
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     batch = train.Batch(ro, [None] * n, {}, [""] * n)
@@ -432,6 +432,10 @@ def check_bench(c: Check) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+PRECISIONS = [("float32", torch.float32, False), ("bfloat16 autocast", torch.bfloat16, False),
+              ("bfloat16 autocast, head fp32", torch.bfloat16, True)]  # the last: --cast-lm-head-to-fp32
+
+
 def mismatch_table(device: str, out: Path) -> None:
     """Sampler-trainer mismatch (#34), measured: one rollout per (model, precision), mu recorded by the sampler and
     pi_old recomputed in micro-batches of 8 rows, as train.py does; by completion-length quartile. Writes `out`."""
@@ -446,10 +450,11 @@ def mismatch_table(device: str, out: Path) -> None:
              f"k3 KL(mu\\|\\|pi_old) | tokens \\|d\\| > {metrics.MISMATCH_TOKEN} | sequences \\|mean d\\| > "
              f"{metrics.MISMATCH_SEQ} |", "|---|---|---|---|---|---|---|---|---|"]
     for label, path, dataset, prompts, new_tokens in cases:
-        for dtype in (torch.float32, torch.bfloat16):
+        for name, dtype, head_fp32 in PRECISIONS:
             t0 = time.time()
             policy, tok = models.load_model(path, torch.device(device), torch.float32)
             policy = models.compute_in(policy, dtype)
+            policy = models.head_in_fp32(policy) if head_fp32 else policy
             args, _ = runs.resolve(train.Args(dataset=dataset, model=path, max_new_tokens=new_tokens,
                                                answer_format="last-number" if dataset == "embedded-add" else "tags"))
             texts = [rollout.format_prompt(tok, ex.prompt, args.answer_format)
@@ -463,7 +468,6 @@ def mismatch_table(device: str, out: Path) -> None:
                                  for i in range(0, len(texts), 8)])
             mask, lengths = ro.completion_mask.float(), ro.lengths
             order = torch.argsort(lengths, stable=True)
-            name = str(dtype).removeprefix("torch.") + (" autocast" if dtype != torch.float32 else "")
             for q, rows in enumerate(order.chunk(4), 1):
                 m = metrics.mismatch_metrics(old[rows], ro.sampler_logp[rows], mask[rows])
                 span = f"Q{q}: {int(lengths[rows].min())}-{int(lengths[rows].max())}"
@@ -479,7 +483,11 @@ def mismatch_table(device: str, out: Path) -> None:
         "default task, 16 prompts x 8, 64 new tokens; SmolLM2-135M-Instruct on `embedded-add`, 8 prompts x 8, 128 new "
         "tokens. mu is what the sampler drew from (recorded by `rollout.generate`); pi_old is recomputed by full "
         "forwards of 8 rows, as `train.py` does with `--old-logprobs recompute` (bf16's default). d = log pi_old - log mu "
-        "per valid token; the quartiles split the 4 x 8-row groups by completion length. The same numbers are logged "
+        "per valid token; the quartiles split the 4 x 8-row groups by completion length. `head fp32` is "
+        "`--cast-lm-head-to-fp32`: the rest of each forward in bf16, the head (the last matmul) in fp32, in the "
+        "sampler as in the scoring pass. SmolLM2's 8 x 128 completion positions exceed one chunk of logits, so its "
+        "pi_old comes from `rollout.chunked_logprobs` (another matmul shape, a fused log-softmax): in fp32 its mean "
+        "|d| is ~9e-6, where whole logits gave ~3e-6 (this page on 2026-12-02). The same numbers are logged "
         "every step of a run under `mismatch/` (docs/reference.md).\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 

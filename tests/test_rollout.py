@@ -196,8 +196,9 @@ def test_chunked_logprobs_give_the_whole_logits_values_and_gradients(tiny_policy
 
 
 def test_chunked_logprobs_under_bf16_autocast_within_its_rounding(tiny_policy_dir):
-    """The same under bf16 autocast over fp32 weights: the log-probs are the same bits (the head runs in bf16 on the
-    same rows), the gradients within bf16's rounding (the chunks' sums of the head's gradient are kept in fp32)."""
+    """The same under bf16 autocast over fp32 weights: the log-probs within fp32's rounding of the same bf16 logits
+    (the head runs in bf16 on the same rows; a fused log-softmax against logit - logsumexp), the gradients within
+    bf16's rounding (the chunks' sums of the head's gradient are kept in fp32)."""
     import losses
 
     policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
@@ -207,7 +208,7 @@ def test_chunked_logprobs_under_bf16_autocast_within_its_rounding(tiny_policy_di
     adv = torch.linspace(-1.0, 1.2, len(ro.lengths))
     whole = loss_and_grads(policy, None, ro, losses.PRESETS["gspo"], adv, chunk=-1)
     chunked = loss_and_grads(policy, None, ro, losses.PRESETS["gspo"], adv, chunk=5)
-    assert torch.equal(chunked[1], whole[1])
+    torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=1e-6)
     scale = max(float(g.abs().max()) for g in whole[2])
     assert max(float((a - b).abs().max()) for a, b in zip(chunked[2], whole[2])) <= 2 ** -7 * scale
 
@@ -234,3 +235,26 @@ def test_the_default_chunk_keeps_whole_logits_where_they_are_small():
     """--logprob-chunk 0 takes 2^24 / V positions a chunk: all of the embedded model's (V = 100, so its default run
     computes exactly as before), 110 at Qwen's 151,936-token vocabulary."""
     assert rollout.CHUNK_ENTRIES // 100 > 16 * 8 * 64 and rollout.CHUNK_ENTRIES // 151936 == 110
+
+
+def test_the_head_in_fp32_computes_in_fp32_in_generate_and_in_every_pass(tiny_policy_dir):
+    """--cast-lm-head-to-fp32 under bf16 autocast: the logits are fp32 (the rest of the forward bf16), the chunked
+    path reads them the same way, and the bf16 reference copy keeps its head in fp32."""
+    import copy
+
+    policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    policy = models.head_in_fp32(models.compute_in(policy, torch.bfloat16))
+    ids, mask = torch.randint(5, 100, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+    assert policy(input_ids=ids).logits.dtype == torch.float32
+    whole = rollout.completion_logprobs(policy, ids, mask, 12, chunk=-1)
+    chunked = rollout.completion_logprobs(policy, ids, mask, 12, chunk=4)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    plain = models.compute_in(models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0],
+                              torch.bfloat16)
+    assert not torch.equal(rollout.completion_logprobs(plain, ids, mask, 12, chunk=-1), whole)  # it changed something
+    ref = models.frozen_reference(copy.deepcopy(policy))
+    assert ref(input_ids=ids).logits.dtype == torch.float32
+    torch.testing.assert_close(rollout.completion_logprobs(ref, ids, mask, 12, chunk=-1), whole, rtol=0, atol=0)
+    torch.manual_seed(0)
+    ro = rollout.generate(policy, tok, ["7 mod 3 ="] * 4, 12)  # the sampler reads the fp32 head too
+    assert ro.sampler_logp is not None

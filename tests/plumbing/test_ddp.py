@@ -15,26 +15,12 @@ import pytest
 import torch
 
 from plumbing import checkpoint
-from conftest import final_weights, metrics_without_timing
+from conftest import TORCHRUN_SMALL as SMALL, final_weights, finish, metrics_without_timing, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
-         "--num-minibatches", "2"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
                                 reason="needs torch.distributed (gloo) and Linux's /proc")]
-
-
-def torchrun(n: int, script: str, argv: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
-                             script, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
 
 
 def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):

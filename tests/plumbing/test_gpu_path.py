@@ -528,7 +528,8 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermedi
 ids = torch.randint(vocab, (rows, 8 + T))
 ro = rollout.Rollout(ids[:, :8], torch.ones(rows, 8, dtype=torch.long), ids[:, 8:], torch.ones(rows, T, dtype=torch.long),
                      torch.zeros(rows, dtype=torch.bool))
-args = train.Args(num_minibatches=2, micro_batch_size=micro, old_logprobs="recompute", lr=1e-3)
+args = train.Args(num_minibatches=2, micro_batch_size=micro, old_logprobs="recompute", lr=1e-3,
+                  logprob_chunk=-1)  # whole logits: the micro-batch's size is what this measures
 args, cfg = runs.resolve(args)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)

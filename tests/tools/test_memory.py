@@ -181,3 +181,18 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
         out = subprocess.run([sys.executable, "-m", "tools.memory", *argv], cwd=ROOT, capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
+
+
+def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies():
+    """--fsdp N: weights, gradients and AdamW moments per card are 1/N of one process's; autocast's bf16 copies and
+    generation's gathered model are whole; the docs' table is the one the tool prints."""
+    from tools import memory
+
+    s = memory.LARGE[2]
+    e = memory.estimate(s, 2, 406, 256, 0.04, False)
+    per = memory.sharded(e, 4, s.params)
+    for part in ("weights", "gradients", "AdamW moments", "reference"):
+        assert per[part] == e[part] / 4
+    assert per["autocast copies"] == e["autocast copies"] and per["gathered for generation"] == 4 * s.params
+    assert memory.sharded_total(memory.sharded(e, 8, s.params)) < memory.sharded_total(per) < memory.total(e)
+    assert memory.fsdp_table(8) in (ROOT / "docs" / "reference.md").read_text()

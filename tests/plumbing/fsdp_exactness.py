@@ -1,0 +1,119 @@
+"""Run by tests/plumbing/test_fsdp.py under `torchrun --nproc-per-node 2`: is a sharded (FSDP2) update the one-process
+update, and does each rank hold half?
+
+Every rank samples the same fixed rollout (same model, same seed) and keeps its half of the groups; each shards a
+copy of the policy with ddp.shard (fully_shard per decoder layer, then the root) and runs train.update with AdamW
+and gradient clipping, as train.py does; rank 0 also runs train.update alone on the whole rollout from the same
+weights. Rank 0 writes, per case, the update's loss and gradient norm both ways, the largest difference of the
+weights after it, and each way's bytes of parameters, gradients and AdamW state held by one rank.
+
+    torchrun --nproc-per-node 2 tests/plumbing/fsdp_exactness.py MODEL_DIR OUT.json
+
+Float64, as ddp_exactness.py: what is compared is the arithmetic of the split, not fp32's rounding of sums taken in
+another order.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from plumbing import ddp  # noqa: E402
+import losses  # noqa: E402
+import train  # noqa: E402
+from plumbing import run as runs  # noqa: E402
+
+CASES = {  # name: (algo, β, micro-batch size, epochs)
+    "gspo": ("gspo", 0.0, 0, 2),  # the default objective, sequence level; the second epoch moves the ratios
+    "grpo-beta-micro": ("grpo", 0.04, 2, 2),  # token level, a sharded reference, micro-batches, a second step
+}
+
+
+def local_bytes(tensors) -> int:
+    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+
+
+def one_update(policy, batch, adv, cfg, args, world, fsdp: bool) -> dict:
+    policy = policy.to(torch.float64).train()
+    ref = None if cfg.beta == 0 else copy.deepcopy(policy).eval().requires_grad_(False)
+    if fsdp:
+        world.wrap(policy, fsdp=True)
+        if ref is not None:
+            ddp.shard(ref, frozen=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    m = train.update(policy, ref, optimizer, scheduler, batch, adv, cfg, args, torch.Generator().manual_seed(0), world)
+    weights = ddp.full_state_dict(policy) if fsdp else policy.state_dict()
+    ids = batch.ro.input_ids[:2]  # one more backward, to count the gradients' bytes
+    policy(input_ids=ids).logits.float().sum().backward()
+    held = {"parameters": local_bytes(policy.parameters()),
+            "gradients": local_bytes(p.grad for p in policy.parameters() if p.grad is not None),
+            "AdamW state": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}
+    world.sharded = None
+    return {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "weights": weights, "held": held}
+
+
+def main(model_dir: str, out: str) -> None:
+    world = ddp.setup("cpu")
+    results = {}
+    for case, (algo, beta, micro, epochs) in CASES.items():
+        args, cfg = runs.resolve(train.Args(model=model_dir, algo=algo, beta=beta, num_prompts=8, num_generations=4,
+                                             num_minibatches=1, num_epochs=epochs, micro_batch_size=micro,
+                                             old_logprobs="recompute"))
+        policy, tokenizer = runs.load_policy(args)
+        torch.manual_seed(1)  # the same rollout on every rank
+        batch = train.sample_groups(policy.eval(), tokenizer, runs.load_data(args)[0][:args.num_prompts], args)
+        g = args.num_generations
+        adv = losses.group_advantages(torch.tensor(batch.scores["reward"]), g, scale=cfg.scale_rewards)
+        half = args.num_prompts // world.size
+        mine = list(range(world.rank * half, (world.rank + 1) * half))
+        rows = torch.tensor([i * g + j for i in mine for j in range(g)])
+        sharded = one_update(copy.deepcopy(policy), train.select_groups(batch, mine, g), adv[rows], cfg, args, world,
+                             fsdp=True)
+        if world.main:
+            one = one_update(copy.deepcopy(policy), batch, adv, cfg, args, ddp.SINGLE, fsdp=False)
+            diff = max(float((sharded["weights"][k] - v).abs().max()) for k, v in one["weights"].items())
+            moved = max(float((v - policy.state_dict()[k].double()).abs().max()) for k, v in one["weights"].items())
+            results[case] = {"loss": [sharded["loss"], one["loss"]], "grad_norm": [sharded["grad_norm"], one["grad_norm"]],
+                             "max_weight_diff": diff, "max_weight_change": moved,
+                             "held_per_rank": {k: [sharded["held"][k], one["held"][k]] for k in one["held"]}}
+    if world.main:
+        Path(out).write_text(json.dumps(results, indent=1))
+    ddp.teardown()
+
+
+def reshard(checkpoint_dir: str, out: str) -> None:
+    """`fsdp_exactness.py --reshard CHECKPOINT OUT.json` under torchrun with N processes: load a --fsdp checkpoint as
+    a resumed run does (the whole model from model/, sharded over N; the optimizer state into the shards), gather it
+    back, and write (rank 0) the largest difference from what the checkpoint holds."""
+    from plumbing import checkpoint
+    import model as models
+
+    world = ddp.setup("cpu")
+    path = Path(checkpoint_dir)
+    state = checkpoint.load_state(path)
+    policy, _ = models.load_model(str(path / "model"), torch.device("cpu"), torch.float32)
+    saved_weights = {k: v.clone() for k, v in policy.state_dict().items()}
+    world.wrap(policy, fsdp=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # as a run's: its groups hold initial_lr
+    ddp.load_optimizer_state(policy, optimizer, state["optimizer"])
+    weights, optim = ddp.full_state(policy, optimizer)
+    if world.main:
+        w_diff = max(float((weights[k] - v).abs().max()) for k, v in saved_weights.items() if k in weights)
+        o_diff = max(float((optim["state"][k][m] - v).abs().max()) for k, s in state["optimizer"]["state"].items()
+                     for m, v in s.items())
+        Path(out).write_text(json.dumps({"processes": world.size, "weights": w_diff, "optimizer": o_diff,
+                                         "moments": len(state["optimizer"]["state"])}))
+    ddp.teardown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--reshard":
+        reshard(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])
