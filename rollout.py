@@ -191,16 +191,18 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
                         temperature: float = 1.0, with_entropy: bool | str = False, chunk: int = 0):
     """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
 
-    One forward pass. Where the T completion positions' logits of every row fit in one chunk (`chunk` positions,
-    or with 0 CHUNK_ENTRIES / V of them: all of the embedded model's), or with `chunk` -1, the model computes those
-    logits (logits_to_keep) and token_logprobs takes them row by row; otherwise chunked_logprobs, which holds no
-    (B, T, V) tensor. `with_entropy`: as in token_logprobs.
+    One forward pass. With `chunk` -1, or where the B x T completion positions fit in one chunk of `chunk`
+    positions, or with `chunk` 0 where their logits are at most WHOLE_ENTRIES (all of the embedded model's), the
+    model computes those logits (logits_to_keep) and token_logprobs takes them row by row; otherwise
+    chunked_logprobs, which holds no (B, T, V) tensor, in chunks of `chunk` positions (0: CHUNK_ENTRIES / V).
+    `with_entropy`: as in token_logprobs.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
     targets = input_ids[:, -num_completion:]  # (B, T)
     head, decoder = output_layers(model)
     size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // head.out_features)
-    if chunk >= 0 and size < targets.numel() and decoder is not None:
+    small = chunk == 0 and targets.numel() * head.out_features <= WHOLE_ENTRIES
+    if chunk >= 0 and not small and size < targets.numel() and decoder is not None:
         return chunked_logprobs(model, head, decoder, input_ids, attention_mask, position_ids, targets, temperature,
                                 with_entropy, size)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -232,6 +234,8 @@ def chunked_logprobs(model, head, decoder, input_ids: Tensor, attention_mask: Te
     return (logp, entropy.view(b, t)) if with_entropy else logp
 
 
+WHOLE_ENTRIES = 2**26  # by default (--logprob-chunk 0) completion logits up to this many entries (256 MiB in fp32)
+# are made whole: they hold little memory, and whole is faster (the chunked backward runs the head's matmul again)
 CHUNK_ENTRIES = 2**24  # logit entries per chunk by default (--logprob-chunk 0): 64 MiB in fp32; 110 positions at
 # Qwen's 151,936-token vocabulary, 341 at SmolLM2's 49,152
 GRAD_SLICE = 2**21  # entries of the head's gradient per product in HeadLogprobs's backward: cache-sized on a CPU

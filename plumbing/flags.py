@@ -236,6 +236,11 @@ def validate(args, world_size: int = 1) -> None:
     name = args.run_name
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
+    for flag, name in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
+        path = Path(name).expanduser()  # a path (not an embedded task or a hub id) that is not there: named first
+        if (path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1) and not path.exists():
+            raise ConfigError(f"{flag} {name}: the file does not exist; pass a JSONL file of prompt/answer rows (or "
+                              "a dataset file, folder or hub id: docs/reference.md)")
     check_device(args.device)
     context = models.context_without_loading(args.model, args.dataset)
     if context and args.max_new_tokens >= context:  # every prompt takes a token at least: refused before any warm

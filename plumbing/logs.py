@@ -90,8 +90,10 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
                      f"({whole} in all), their gradients and AdamW's moments; generation gathers the whole model once "
                      f"per rollout ({whole} on each process while it samples)")
     if len(test_set) < 20 and not args.eval_size:  # a small set of the user's own choosing needs no warning
+        advice = f"{args.eval_dataset} holds no more" if args.eval_dataset else \
+            "pass a larger set of your own with --eval-dataset FILE"  # (not to one who did)
         lines.append(f"warning: only {len(test_set)} held-out problem{'s' * (len(test_set) != 1)}: held-out accuracy "
-                     f"moves in steps of 1/{len(test_set)}; pass a larger set of your own with --eval-dataset FILE")
+                     f"moves in steps of 1/{len(test_set)}; {advice}")
     trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
                if args.lora_rank else "every weight (full fine-tune)")
     lines.append(f"model: {args.model}; trains {trained}"

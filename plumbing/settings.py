@@ -40,8 +40,9 @@ class Hardware:
     so its bf16 rounding does not enter the ratios (TRL's cast_lm_head_to_fp32, after ScaleRL)"""
     logprob_chunk: int = 0
     """completion positions whose logits are made at once when log-probs are computed from the last hidden states
-    (again in the backward), so that no rows x tokens x vocabulary tensor is held; 0: 2^24 / vocabulary size (110 at
-    Qwen's 151,936; every position of the embedded model, whose logits are then made whole); -1: always whole logits"""
+    (again in the backward), so that no rows x tokens x vocabulary tensor is held; 0: a micro-batch's logits whole up
+    to 2^26 entries (all of the embedded model's), else chunks of 2^24 / vocabulary size positions (110 at Qwen's
+    151,936); -1: always whole logits"""
     fsdp: bool = False
     """under torchrun: shard the policy's weights, gradients and AdamW state over the processes (PyTorch's FSDP2,
     fully_shard on each decoder layer and then the root), so each holds 1/N of them, instead of a copy on each

@@ -485,9 +485,7 @@ def mismatch_table(device: str, out: Path) -> None:
         "forwards of 8 rows, as `train.py` does with `--old-logprobs recompute` (bf16's default). d = log pi_old - log mu "
         "per valid token; the quartiles split the 4 x 8-row groups by completion length. `head fp32` is "
         "`--cast-lm-head-to-fp32`: the rest of each forward in bf16, the head (the last matmul) in fp32, in the "
-        "sampler as in the scoring pass. SmolLM2's 8 x 128 completion positions exceed one chunk of logits, so its "
-        "pi_old comes from `rollout.chunked_logprobs` (another matmul shape, a fused log-softmax): in fp32 its mean "
-        "|d| is ~9e-6, where whole logits gave ~3e-6 (this page on 2026-12-02). The same numbers are logged "
+        "sampler as in the scoring pass. The same numbers are logged "
         "every step of a run under `mismatch/` (docs/reference.md).\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -105,7 +105,7 @@ def test_a_table_file_loads_without_library_noise(tmp_path, capfd):
 
 def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, capsys):
     """--eval-dataset: its rows are the held-out set (same formats and field rules as --dataset), and the training
-    file keeps every row; a held-out set under 20 problems gets one warning naming --eval-dataset."""
+    file keeps every row; a held-out set under 20 problems gets one warning, which names the file given."""
     train_rows = [{"q": f"{n} mod {d} =", "a": str(n % d)} for n in range(20, 40) for d in (3, 7)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows))
     eval_rows = [{"q": f"{n} mod 5 =", "a": str(n % 5)} for n in range(50, 55)]
@@ -119,7 +119,8 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
                                         output_dir=str(tmp_path / "runs"), save_model=False))
     out = capsys.readouterr().out
     assert "5 training" not in out and "40 training and 5 held-out problems" in out
-    assert out.count("warning: only 5 held-out problems") == 1 and "--eval-dataset" in out
+    assert out.count("warning: only 5 held-out problems") == 1 and "mine.parquet holds no more" in out
+    assert "pass a larger set of your own" not in out  # (issue 50.3: not advice to do what was done)
     assert "(5 problems)" in out and round(summary["accuracy_after"] * 5, 9) % 1 == 0  # scored on those 5
 
 

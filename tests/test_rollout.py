@@ -231,10 +231,22 @@ def test_a_model_whose_logits_are_not_its_head_is_refused_in_the_chunked_path(ti
     assert rollout.completion_logprobs(policy, ids, mask, 12, chunk=-1).shape == (2, 12)
 
 
-def test_the_default_chunk_keeps_whole_logits_where_they_are_small():
-    """--logprob-chunk 0 takes 2^24 / V positions a chunk: all of the embedded model's (V = 100, so its default run
-    computes exactly as before), 110 at Qwen's 151,936-token vocabulary."""
-    assert rollout.CHUNK_ENTRIES // 100 > 16 * 8 * 64 and rollout.CHUNK_ENTRIES // 151936 == 110
+def test_the_default_makes_small_logits_whole_and_chunks_large_ones(tiny_policy_dir, monkeypatch):
+    """--logprob-chunk 0: a micro-batch's logits of up to WHOLE_ENTRIES (2^26) are made whole (all of the embedded
+    model's, so its default run computes as before; SmolLM2's at 8 rows x 128 tokens), larger ones in chunks of
+    CHUNK_ENTRIES / V positions (110 at Qwen's 151,936-token vocabulary, where 8 rows x 512 tokens are chunked)."""
+    assert 16 * 8 * 64 * 100 <= rollout.WHOLE_ENTRIES and 8 * 128 * 49152 <= rollout.WHOLE_ENTRIES
+    assert rollout.CHUNK_ENTRIES // 151936 == 110 and 8 * 512 * 151936 > rollout.WHOLE_ENTRIES
+    policy, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    ids, mask = torch.randint(5, 100, (3, 20)), torch.ones(3, 20, dtype=torch.long)  # 36 positions x V 100
+    calls, chunked = [], rollout.chunked_logprobs
+    monkeypatch.setattr(rollout, "chunked_logprobs", lambda *a: calls.append(a[-1]) or chunked(*a))
+    whole = rollout.completion_logprobs(policy, ids, mask, 12)
+    assert calls == []
+    monkeypatch.setattr(rollout, "WHOLE_ENTRIES", 36 * 100 - 1)
+    monkeypatch.setattr(rollout, "CHUNK_ENTRIES", 8 * 100)
+    torch.testing.assert_close(rollout.completion_logprobs(policy, ids, mask, 12), whole, rtol=0, atol=1e-6)
+    assert calls == [8]  # chunks of 8 positions
 
 
 def test_the_head_in_fp32_computes_in_fp32_in_generate_and_in_every_pass(tiny_policy_dir):

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 import model as models
-from rollout import CHUNK_ENTRIES
+from rollout import CHUNK_ENTRIES, WHOLE_ENTRIES
 
 GiB = 2**30
 
@@ -136,10 +136,11 @@ def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, che
 
 def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bonus: bool, chunk: int = 0) -> dict:
     """The log-prob path's peak in the update ("logits") and in the π_old / reference pass, bytes: whole logits
-    (LOGITS) where `chunk` is -1 or one chunk holds the micro-batch's completion positions, else chunked (CHUNKED)."""
+    (LOGITS) where rollout.completion_logprobs makes them whole (`chunk` -1, one chunk holds the micro-batch's
+    completion positions, or with `chunk` 0 at most WHOLE_ENTRIES logits), else chunked (CHUNKED)."""
     size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // s.vocab)
     n = rows * completion  # completion positions
-    if chunk < 0 or size >= n:
+    if chunk < 0 or size >= n or (chunk == 0 and n * s.vocab <= WHOLE_ENTRIES):
         a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
         return {"logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
                 "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8)}

@@ -389,6 +389,16 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
 
 
+@pytest.mark.parametrize("flag", ["--eval-dataset", "--dataset"])
+def test_a_missing_data_file_is_named_before_the_finished_run(finished, capsys, flag):
+    """Issue 50.3: the real cause first. The file does not change the run's name, so the run folder is the finished
+    one; the missing file is what the error names."""
+    argv, run = finished
+    line = refused(argv + [flag, str(run.parent / "no-such.jsonl")], capsys, run.parent,
+                   f"{flag} {run.parent / 'no-such.jsonl'}: the file does not exist")
+    assert "finished run" not in line
+
+
 def test_overwrite_replaces_a_finished_run(own_finished):
     """The refusal's third way out, asked for explicitly: --overwrite starts the run again in its folder."""
     argv, run = own_finished
