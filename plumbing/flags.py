@@ -267,6 +267,9 @@ def check_fsdp(args) -> None:
     if args.lora_rank > 0:
         raise ConfigError("--fsdp does not work with --lora-rank (LoRA's adapters are small: use data parallel, "
                           "without --fsdp)")
+    if args.dynamic_sampling:  # (seen: a gloo collective mismatch in DAPO's second step)
+        raise ConfigError("--fsdp does not work with dynamic sampling yet (DAPO's default): add --dynamic-sampling "
+                          "False, or use data parallel (without --fsdp)")
 
 
 def check_device(name: str) -> None:

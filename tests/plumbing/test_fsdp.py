@@ -74,6 +74,7 @@ def test_a_sharded_run_logs_data_parallels_metrics_and_writes_an_ordinary_model(
 @pytest.mark.parametrize("flags,expected", [
     ([], "--fsdp shards the model over torchrun's processes"),
     (["--lora-rank", "4"], "--fsdp does not work with --lora-rank"),
+    (["--algo", "dapo"], "--fsdp does not work with dynamic sampling"),
 ])
 def test_what_fsdp_does_not_do_is_refused_in_one_line(tmp_path, tiny_policy_dir, flags, expected):
     argv = ["--model", str(tiny_policy_dir), "--fsdp", "--output-dir", str(tmp_path)] + SMALL + flags
