@@ -388,16 +388,16 @@ def as_published(model, folder: Path, state: dict | None = None) -> None:
     finally:
         model.generation_config = ours
     if state is not None:  # the config names the dtype the weights were written in, and the model's own class
-        config = json.loads((folder / "config.json").read_text())
-        config["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
-        config["architectures"] = [own_class(model)]
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        name_in_config(folder, model, dtype=str(dtype or model.dtype).removeprefix("torch."))
 
 
-def own_class(model) -> str:
-    """The model's transformers class, under fully_shard's subclass (FSDPLlamaForCausalLM -> LlamaForCausalLM): what
-    a saved config.json must name for the folder to load as an ordinary model."""
-    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+def name_in_config(folder: Path, model, **fields) -> None:
+    """Write into folder/config.json the model's transformers class under fully_shard's subclass
+    (FSDPLlamaForCausalLM -> LlamaForCausalLM: what the folder must name to load as an ordinary model) and `fields`."""
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields, architectures=[next(c.__name__ for c in type(model).__mro__
+                                              if not c.__name__.startswith("FSDP"))])
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def prepare(model, tokenizer, device: torch.device):

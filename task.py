@@ -308,6 +308,12 @@ def check_table(path: Path) -> None:
         raise TaskError(f"dataset {path} {EMPTY}")
 
 
+def names_a_path(name: str) -> bool:
+    """Whether a --dataset / --eval-dataset value names a file or folder (a suffix, a leading . / ~, or more than one
+    '/'), not an embedded task or an owner/name hub id."""
+    return bool(Path(name).suffix) or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", config: str = "",
                  split: bool = True) -> tuple[list, list]:
     """(train, held-out) Examples from a file, a save_to_disk folder or a hub dataset (see the table above). With
@@ -318,7 +324,7 @@ def load_dataset(name: str, prompt_field: str = "", answer_field: str = "", conf
         return heldout_split(examples, path) if split else (examples, [])
     if path.is_dir() and not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise TaskError(f"dataset {path} is a folder; {ROWS_HINT} or a folder written by `datasets`' save_to_disk")
-    looks_local = path.exists() or path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1
+    looks_local = path.exists() or names_a_path(name)
     if looks_local and not path.exists():
         raise TaskError(f"dataset file {name} does not exist; {ROWS_HINT}")
     if not looks_local:

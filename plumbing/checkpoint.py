@@ -68,9 +68,7 @@ def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, weigh
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp / "model", state_dict=weights)
     if weights is not None:  # the config names the model's own class, not fully_shard's subclass
-        config = json.loads((tmp / "model" / "config.json").read_text())
-        config["architectures"] = [models.own_class(policy)]
-        (tmp / "model" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        models.name_in_config(tmp / "model", policy)
     tokenizer.save_pretrained(tmp / "model")
     torch.save(state, tmp / "state.pt")
     if final.exists():  # saving the same step again (a stop right after a periodic save)

@@ -30,6 +30,7 @@ import model as models
 from base import network
 import rewards
 import rollout
+import task
 from base.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,8 +238,7 @@ def validate(args, world_size: int = 1) -> None:
     if not name.strip() or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--run-name {name!r} must be a plain folder name (no '/', not '.' or '..')")
     for flag, name in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
-        path = Path(name).expanduser()  # a path (not an embedded task or a hub id) that is not there: named first
-        if (path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1) and not path.exists():
+        if task.names_a_path(name) and not Path(name).expanduser().exists():  # named before the run folder is read
             raise ConfigError(f"{flag} {name}: the file does not exist; pass a JSONL file of prompt/answer rows (or "
                               "a dataset file, folder or hub id: docs/reference.md)")
     check_device(args.device)
@@ -260,7 +260,7 @@ def validate(args, world_size: int = 1) -> None:
 
 
 def check_fsdp(args) -> None:
-    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA refused in one line."""
+    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA and dynamic sampling refused."""
     if not ddp.launched():
         raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
                           "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
