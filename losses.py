@@ -728,6 +728,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     ratio/abs_log_token  mean |l_it| over tokens, ratio/abs_log_seq mean |log s_i| over sequences: how far the
                          ratios have left 1 (the study's manipulation check for staleness)
     clip/token_*         clip fractions over tokens with the run's epsilon; clip/seq_* over sequences
+    clip/seq_token_frac  the sequence-level clip in the GSPO paper's unit: the share of tokens that lie in the
+                         sequences it clips (a clipped sequence clips all its tokens)
     clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
                          SAPO and GMPO what plays the clip's part: see clip_fraction_of)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
@@ -759,6 +761,8 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
         "clip/seq_low": seq_low,
         "clip/seq_high": seq_high,
         "clip/seq_frac": seq_low + seq_high,
+        "clip/seq_token_frac": masked_mean((ppo_clipped(torch.exp(log_s), a_seq, cfg.epsilon, cfg.epsilon_high)
+                                            & valid_seq).to(mask.dtype).unsqueeze(-1).expand_as(mask), mask),
         "clip/frac": clip_fraction_of(cfg, log_ratio, adv_tok, mask),
         "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
     }

@@ -180,3 +180,29 @@ def length_bucket_stats(logp: Tensor, old_logp: Tensor, mask: Tensor, num_bucket
             "std_log_s": float(log_s[idx].std()),
         })
     return out
+
+
+PREFIX_K = (4, 8, 16, 32, 64)  # the prefix lengths of the within-sequence thesis (study claim 1-within)
+
+
+def prefix_spread(logp_after: Tensor, old_logp: Tensor, mask: Tensor, ks: tuple[int, ...] = PREFIX_K) -> dict:
+    """The seed note's thesis inside each sequence (--log-prefix-spread). With l_it = log pi_theta(y_it) -
+    log pi_old(y_it), pi_theta the policy after the step's update (every row scored once by it, so every row is
+    equally stale), and S_ik = sum_{t<=k} l_it the log of the first k tokens' joint ratio, over the sequences of at
+    least max(ks) tokens (the same sequences at every k):
+
+        prefix/std_k<k>       std_i S_ik: for i.i.d. token noise of std sigma, sigma sqrt(k) (slope 0.5 in log k);
+                              tokens that move together give more (up to 1), tokens that cancel give less
+        prefix/n_long         how many sequences were long enough (the stds need two)
+        prefix/abs_log_token  mean |l_it| over their first max(ks) tokens: whether the ratios moved at all
+    Unlike length_bucket_stats, which compares different sequences by length (and length is the policy's choice),
+    this follows the same sequences as k grows."""
+    mask = mask.to(logp_after.dtype)
+    long = mask.sum(-1) >= max(ks)  # (B,) the mask runs from the first completion token, so these prefixes are whole
+    out = {"prefix/n_long": int(long.sum())}
+    if out["prefix/n_long"] >= 2:
+        log_ratio = ((logp_after - old_logp) * mask)[long][:, :max(ks)]  # (n, K)
+        sums = log_ratio.cumsum(-1)  # (n, K): S_ik at k = column + 1
+        out.update({f"prefix/std_k{k}": float(sums[:, k - 1].std()) for k in ks})
+        out["prefix/abs_log_token"] = float(log_ratio.abs().mean())
+    return out

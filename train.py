@@ -307,6 +307,10 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     on_policy = source == "on-policy"
     diag = metrics.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy,
                                ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
+    if args.log_prefix_spread and not on_policy:  # the study's: every row once more, under the updated policy
+        after = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, chunk=args.logprob_chunk),
+                           everything, mb_size, args.micro_batch_size)
+        diag.update(metrics.prefix_spread(*world.gather_rows(after, old_logp, mask)))
     control = {} if entropy_control is None else {"entropy/coef": entropy_control.coef}  # where the controller stands
     return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
 

@@ -96,6 +96,10 @@ class Logging:
     """W&B tags of the run (sweeps add 'sweep' and the algo)"""
     save_model: bool = True
     """save the final policy with save_pretrained"""
+    log_prefix_spread: bool = False
+    """the study's instrumentation: after each step's update, score the rollout once more under the updated policy
+    and log the spread of the prefix sums of log rho_t (metrics.prefix_spread; one forward pass, nothing learned
+    changes)"""
 
 
 @dataclass

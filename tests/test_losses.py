@@ -3,6 +3,7 @@
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -295,3 +296,23 @@ def test_shadow_clip_fractions_use_each_presets_own_level_and_range():
     diag = diagnostics.study_metrics(old + 0.1, old, adv, mask)
     assert diag["clip/shadow_grpo"] == 0.0 and diag["clip/shadow_dapo"] == 0.0
     assert diag["clip/shadow_gspo"] == 0.75  # three of four sequences have A > 0 and s > 1 + 4e-4
+
+
+def test_prefix_spread_follows_the_same_sequences_as_k_grows():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([64] * 3000 + [200] * 1000 + [63] * 2000)  # the 63-token rows must be left out
+    mask = (torch.arange(256).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    old = torch.zeros(len(lengths), 256)
+    slope = lambda out: np.polyfit(np.log(diagnostics.PREFIX_K),  # noqa: E731
+                                   np.log([out[f"prefix/std_k{k}"] for k in diagnostics.PREFIX_K]), 1)[0]
+    iid = diagnostics.prefix_spread(torch.randn(len(lengths), 256, generator=g) * 0.1, old, mask)
+    assert iid["prefix/n_long"] == 4000
+    assert slope(iid) == pytest.approx(0.5, abs=0.03)  # i.i.d. token noise: sigma sqrt(k)
+    assert iid["prefix/std_k16"] == pytest.approx(0.1 * 4, rel=0.05)
+    assert iid["prefix/abs_log_token"] == pytest.approx(0.1 * math.sqrt(2 / math.pi), rel=0.02)
+    shift = torch.randn(len(lengths), 1, generator=g) * 0.1  # every token of a sequence moves alike: k sigma
+    assert slope(diagnostics.prefix_spread(shift.expand(-1, 256), old, mask)) == pytest.approx(1.0, abs=1e-4)
+    # tokens that cancel (each the difference of two i.i.d. draws, so S_k = e_k - e_0): the spread stops growing
+    e = torch.randn(len(lengths), 257, generator=g) * 0.1
+    assert abs(slope(diagnostics.prefix_spread(e[:, 1:] - e[:, :-1], old, mask))) < 0.03
+    assert diagnostics.prefix_spread(old, old, mask[:1]) == {"prefix/n_long": 1}  # one sequence has no spread

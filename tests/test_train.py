@@ -328,3 +328,18 @@ def test_eval_size_takes_a_subset_spread_over_the_held_out_set():
     divisor = lambda ex: ex.prompt.split(" mod ")[1]  # noqa: E731
     assert len({divisor(ex) for ex in sub}) > len({divisor(ex) for ex in test[:16]})
     assert runs.spread(test, 0) is test and runs.spread(test, 10_000) is test
+
+
+def test_prefix_spread_is_logged_after_the_update_and_changes_nothing_learned(tmp_path, tiny_policy_dir, monkeypatch):
+    import metrics
+
+    monkeypatch.setattr(metrics.prefix_spread, "__defaults__", ((2, 4, 8),))  # the tiny model's answers are short
+    kw = dict(algo="grpo", beta=0.0, save_model=False)
+    _, plain, _ = run(tmp_path / "a", tiny_policy_dir, **kw)
+    _, logged, _ = run(tmp_path / "b", tiny_policy_dir, log_prefix_spread=True, **kw)
+    steps = [m for m in logged if m["step"] > 0]
+    assert all(m["prefix/n_long"] >= 2 and m["prefix/std_k8"] > m["prefix/std_k2"] > 0 for m in steps)
+    # the update moved the ratios, and the policy it is scored under is the updated one, not pi_old
+    assert all(m["prefix/abs_log_token"] > 0 for m in steps)
+    keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "prefix/"))} for m in ms]  # noqa
+    assert keep(plain) == keep(logged)

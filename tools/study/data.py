@@ -111,6 +111,24 @@ def length_exponent(run: dict, key: str = "std_logsum") -> float:
     return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else math.nan
 
 
+PREFIX_K = (4, 8, 16, 32, 64)  # metrics.PREFIX_K, the prefix lengths train.py --log-prefix-spread logs
+
+
+def prefix_stds(run: dict) -> list[float]:
+    """Per k in PREFIX_K: the root mean square over the run's steps of std_i S_ik (metrics.prefix_spread)."""
+    return [math.sqrt(np.mean(np.square(series(run, f"prefix/std_k{k}")[1]))) if len(series(run, f"prefix/std_k{k}")[1])
+            else math.nan for k in PREFIX_K]
+
+
+def prefix_slope(run: dict) -> float:
+    """Least-squares slope of log prefix_stds against log k: 0.5 for i.i.d. token log-ratios, 1 for tokens that all
+    move alike."""
+    stds = prefix_stds(run)
+    if not all(math.isfinite(v) and v > 0 for v in stds):
+        return math.nan
+    return float(np.polyfit(np.log(PREFIX_K), np.log(stds), 1)[0])
+
+
 def drift(run: dict, key: str, window: int = 10) -> float:
     """Mean of `key` over the last `window` logged steps minus over the first `window`."""
     y = series(run, key)[1]

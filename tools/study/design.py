@@ -59,6 +59,13 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "gspo": ("gspo", {}),
     }),
+    # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
+    # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
+    # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
+    "smollm2prefix": ({"model": "smollm", "num_minibatches": "16", **SMOLLM2_LONG_FLAGS, "log_prefix_spread": True}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+    }),
 }
 SEEDS = (0, 1, 2, 3, 4)
 
@@ -81,6 +88,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("stale16", ("dapo", "dapo-eh0.2"), (1, 2, 3, 4))],
     [("base120", ("grpo-b0", "grpo-b0-sumnorm"), SEEDS)],  # claim 4 at 120 steps (~18 min a run on 1 thread)
     [("smollm2long", ("grpo-b0", "gspo"), SEEDS)],  # claims 1 and 2a on SmolLM2 (~16 min a run on 1 thread)
+    [("smollm2prefix", ("grpo-b0", "gspo"), SEEDS)],  # claim 1 within sequences, 2a in tokens (issue 49)
 ]
 
 
