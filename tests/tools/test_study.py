@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_study_expands_to_the_documented_grid():
-    runs = study.grid(tuple(study.CELLS), study.SEEDS)
-    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2 + 2) == 120
+    runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
+    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2 + 2 + 2) == 130
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -41,7 +41,9 @@ def test_study_expands_to_the_documented_grid():
     # every seed; within a group seed by seed (a cut-short session has whole seeds)
     listed = [(cell, arm, seed) for group in study.RUN_ORDER for cell, arms, seeds in group for arm in arms
               for seed in seeds]
-    assert sorted(listed) == sorted((c, a, s) for c, (_, arms) in study.CELLS.items() for a in arms for s in study.SEEDS)
+    assert sorted(listed) == sorted((c, a, s) for c, (_, arms) in study.CELLS.items() for a in arms
+                                    for s in (study.REPLICATION_SEEDS if c == "stale16rep" else study.SEEDS))
+    assert by_name["stale16rep-gspo-s7"] == {**by_name["stale16-gspo-s2"], "seed": "7", "run_name": "stale16rep-gspo-s7"}
     first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
     assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
                                                             "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
@@ -144,8 +146,8 @@ def synthetic_study(**over):
     for seed in range(5):
         for cell, (_, arms) in study.CELLS.items():
             for arm in arms:
-                kw = {"abs_log": 0.05 if cell == "stale16" else 0.01}
-                if cell == "stale16" and arm in ("grpo-b0", "grpo"):
+                kw = {"abs_log": 0.05 if cell.startswith("stale16") else 0.01}
+                if cell.startswith("stale16") and arm in ("grpo-b0", "grpo"):
                     kw["acc"] = lambda s, seed=seed: 0.7 - abs(s - 15) / 50 - 0.01 * seed  # peak, then 50 points down
                 if arm == "grpo-b0" and cell in ("base", "base120"):
                     kw["rel"] = lambda s: 1.0 + s / 100  # wrong answers lengthen relative to right ones
@@ -293,6 +295,6 @@ def test_each_contrast_lists_every_setting_it_changes():
     from tools.study.claims import CONTRAST_ARMS
 
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
-    assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
+    assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])

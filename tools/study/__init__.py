@@ -6,7 +6,7 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Six cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Seven cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
@@ -17,6 +17,7 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
     smollm2   SmolLM2-135M-Instruct on embedded-add, lr 2e-5, 16 minibatches claim 5, where ε_high binds
     smollm2long  SmolLM2-135M-Instruct on embedded-long-instruct (its working  claims 1 and 2a on a real model
               in prose, 10-300 tokens), T 1, lr 2e-5, 16 minibatches, 3 steps
+    stale16rep  stale16's two β = 0 arms at seeds 5-9 (new warm starts)      claim 3 at β = 0 replicated
     smollm2prefix  smollm2long's runs made again with --log-prefix-spread     claim 1 inside each sequence, 2a in
               (one more forward pass after each update)                      tokens (issue 49)
 
@@ -29,6 +30,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     base120:  grpo-b0, grpo-b0-sumnorm
     smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
     smollm2long: grpo-b0, gspo
+    stale16rep: grpo-b0, gspo
     smollm2prefix: grpo-b0, gspo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
@@ -40,8 +42,8 @@ from tools.study.claims import CLAIMS, MANIPULATION, SECTIONS, Claim, judge, wri
 from tools.study.data import (MISLOGGED, NAME, PER_RUN, STOPS, arm_runs, by_seed, clip_differs, collapsed, drift,
                               entropy_last10, final_accuracy, length_exponent, length_spread, load, pack, peak_drop,
                               run_mean)
-from tools.study.design import (CELLS, COMMON, EVAL_EVERY, LONG_STEPS, PROMPTS, RUN_ORDER, SEEDS, SMOLLM2_FLAGS,
-                                SMOLLM2_STEPS, STEPS, grid, with_models)
+from tools.study.design import (ALL_SEEDS, CELLS, COMMON, EVAL_EVERY, LONG_STEPS, PROMPTS, REPLICATION_SEEDS,
+                                RUN_ORDER, SEEDS, SMOLLM2_FLAGS, SMOLLM2_STEPS, STEPS, grid, with_models)
 from tools.study.report import README_BEGIN, README_END, readme_section, table, write_report
 from tools.study.stats import (VERDICT_RULE, Estimate, estimate, fmt_est, holm, level, p_value, paired, seed_drops,
                                verdict, words)

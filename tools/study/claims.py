@@ -132,8 +132,9 @@ def analyse_1(runs: list[dict], add) -> None:
         add(f"1-{cell}", est, moved, f"mean |log ρ_t| {moved:.2g} nats" + (
             f", longest/shortest completion per batch median {span:.0f}x" if cell == "smollm2long" else ""),
             moved >= MANIPULATION["abs_log"] and decade,
-            f"arms {', '.join(full)} (the registered ones run at every seed; the successors, added later, are not "
-            f"in the estimand); log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5); each arm's own exponent: {per_arm}")
+            f"arms {', '.join(full)}" + (" (the registered ones run at every seed; the successors, added later, are "
+                                         "not in the estimand)" if set(SUCCESSORS) & set(CELLS[cell][1]) else "") +
+            f"; log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5); each arm's own exponent: {per_arm}")
 
     # inside each sequence: the prefix sums' slope in log k, per seed the mean over both arms
     cell, both = "smollm2prefix", ("grpo-b0", "gspo")
@@ -189,10 +190,10 @@ def figure_1(runs: list[dict], out: Path) -> dict:
             x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
             y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
             ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: the minor labels collide on a wide range
         ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t" + (
                "\n(SmolLM2-135M-Instruct)" if cell == "smollm2long" else ""),
                xlabel="completion length |y| (tokens, quartile mean)")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decades only (after the scale, which resets the formatter)
     axes[0].set_ylabel("std (nats), geometric mean over seeds")
     legend_below(fig, axes)
     return {"claim1_length": (save(fig, out / "claim1_length.png") and points, "spread of the unnormalised sequence "
@@ -301,10 +302,20 @@ def analyse_2(runs: list[dict], add) -> None:
 
 
 def figure_2(runs: list[dict], out: Path) -> dict:
-    return two_panels(runs, out, "claim2_clip", "base", ("gspo", "grpo-b0"), (
+    in_tokens = lambda rs: [{**r, "rows": [{**row, "clip/tokens": row["clip/seq_token_frac" if r["algo"] == "gspo"  # noqa: E731
+                                                                         else "clip/token_frac"]}
+                                           for row in r["rows"] if "clip/seq_token_frac" in row]} for r in rs]
+    return {**two_panels(runs, out, "claim2_clip", "base", ("gspo", "grpo-b0"), (
         ("clip/frac", True, "clip fraction (GSPO: sequences; GRPO: tokens), log", "fraction clipped"),
         ("eval/accuracy", False, "held-out greedy accuracy", "accuracy")),
-        "base cell, both at β = 0: mean over seeds with its 95% t interval (the clip fraction in log space)")
+        "base cell, both at β = 0: mean over seeds with its 95% t interval (the clip fraction in log space)"),
+        **two_panels(runs, out, "claim2_clip_smollm2", "smollm2prefix", ("gspo", "grpo-b0"), (
+            ("clip/tokens", True, "tokens clipped (GSPO: the tokens of the sequences it clips), log",
+             "fraction of tokens"),
+            ("clip/frac", True, "in the smollm2long rows' units (GSPO: sequences; GRPO: tokens), log", "fraction")),
+            "smollm2prefix (SmolLM2-135M-Instruct writing its working), both at β = 0, per RL step: mean over seeds "
+            "with its 95% t interval in log space; left the 2a-in-tokens row's quantity, right the units of the "
+            "smollm2long row", runs_of=in_tokens)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,6 +331,13 @@ CLAIMS_3 = [
           "peak-to-final drop of held-out accuracy",
           "stale16: grpo - gspo-b0.04 (both β 0.04), paired by seed", 0.10,
           "staleness acts: mean |log ρ_t| in stale16 >= 2x base", unit="accuracy"),
+    # Registered before any stale16rep run (issue 49.4), with 3-b0 at seeds 0-4 read (-0.100 [-0.227, +0.027]): the
+    # same quantity, contrast, prediction and check at new seeds, in a cell no other row reads
+    Claim("3-b0-rep", "3. the same at β = 0, seeds 5-9 (a replication)", "GSPO §1, §5.1",
+          "peak-to-final drop of held-out accuracy",
+          "stale16rep (stale16 at seeds 5-9): grpo-b0 - gspo, paired by seed", 0.10,
+          "staleness acts: mean |log ρ_t| in stale16rep >= 2x base's (seeds 0-4), for both algorithms",
+          unit="accuracy", family="replication"),
 ]
 
 
@@ -327,12 +345,49 @@ def analyse_3(runs: list[dict], add) -> None:
     # stale16: the drop from peak, each arm's staleness checked against its own base runs
     stale = {"grpo": stale_x(runs, "grpo-b0"), "gspo": stale_x(runs, "gspo")}  # both algorithms' β = 0 arms
     stale_text = "mean |log ρ_t| stale16 / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in stale.items())
-    earlier = ("; an earlier grid of this stale16 contrast (3 seeds, other warm starts; its data not kept, see issue "
-               "38) gave the opposite sign at β = 0, GSPO dropping more than GRPO")
+    earlier = earlier_grid()
     for key, grpo_arm, gspo_arm in (("3-b0", "grpo-b0", "gspo"), ("3-b0.04", "grpo", "gspo-b0.04")):
         text, drop = beside(runs, gspo_arm, grpo_arm)
         add(key, paired(drop[grpo_arm], drop[gspo_arm]), min(stale.values()), stale_text,
             all(x >= MANIPULATION["stale_x"] for x in stale.values()), text + (earlier if key == "3-b0" else ""))
+    analyse_3_rep(runs, add)
+
+
+EARLIER_GRID = Path(__file__).resolve().parents[2] / "docs" / "study" / "data" / "earlier-grid-63caa35.csv"
+
+
+def earlier_grid() -> str:
+    """The earlier grid's β = 0 contrast in stale16 (issue 38): GSPO's preset in its stale16 cell, GRPO at β = 0 in
+    its stale16-kl cell (β swapped), the same regime and warm starts; its runs.csv (at 63caa35) is kept in data/.
+    It kept final accuracy and the collapse step, not the drop from peak."""
+    import csv
+
+    if not EARLIER_GRID.is_file():
+        return ""
+    rows = list(csv.DictReader(EARLIER_GRID.open()))
+    arm = lambda cell, algo: {int(r["seed"]): r for r in rows if r["cell"] == cell and r["algo"] == algo}  # noqa: E731
+    gspo, grpo = arm("stale16", "gspo"), arm("stale16-kl", "grpo")
+    final = paired({s: float(r["accuracy_after"]) for s, r in gspo.items()},
+                   {s: float(r["accuracy_after"]) for s, r in grpo.items()})
+    fell = lambda a: sum(bool(r["collapse_step"]) for r in a.values())  # noqa: E731
+    return (f"; an earlier grid of this contrast at β = 0 (other warm starts; its per-run results in "
+            f"data/{EARLIER_GRID.name}, without the drop from peak) had GSPO end higher than GRPO: final accuracy "
+            f"GSPO - GRPO {fmt_est(final)}; it counted a collapse in {fell(gspo)} of {len(gspo)} GSPO and "
+            f"{fell(grpo)} of {len(grpo)} GRPO runs")
+
+
+def analyse_3_rep(runs: list[dict], add) -> None:
+    rep = {a: mean_of(abs_log(runs, "stale16rep", a)) / mean_of(abs_log(runs, "base", a)) for a in ("grpo-b0", "gspo")}
+    drop = {a: by_seed(runs, "stale16rep", a, peak_drop) for a in ("grpo-b0", "gspo")}
+    fin = {a: by_seed(runs, "stale16rep", a, final_accuracy) for a in ("grpo-b0", "gspo")}
+    n = {a: (sum(collapsed(r) for r in arm_runs(runs, "stale16rep", a)), len(arm_runs(runs, "stale16rep", a)))
+         for a in drop}
+    add("3-b0-rep", paired(drop["grpo-b0"], drop["gspo"]), min(rep.values()) if drop["gspo"] else math.nan,
+        "mean |log ρ_t| stale16rep / base: " + ", ".join(f"{a} {x:.1f}x" for a, x in rep.items()),
+        all(x >= MANIPULATION["stale_x"] for x in rep.values()),
+        f"drop GSPO β=0 {level(drop['gspo'].values())}, GRPO β=0 {level(drop['grpo-b0'].values())}; collapsed (20 "
+        f"points below peak) {n['gspo'][0]}/{n['gspo'][1]} vs {n['grpo-b0'][0]}/{n['grpo-b0'][1]}; final accuracy "
+        f"gspo - grpo-b0 {fmt_est(paired(fin['gspo'], fin['grpo-b0']))}")
 
 
 def figure_3(runs: list[dict], out: Path) -> dict:
@@ -418,7 +473,7 @@ CLAIMS_5 = [
     # the SmolLM2 probe the ε_high 0.2 arm's entropy fell 0.87 -> 0.11 nats/token in 4 steps, taking the band's
     # tokens with it). So the check is read where it cannot follow the outcome: step 1, the one rollout both arms
     # share (the same policy, the same batch), mean over both arms and seeds.
-    Claim("5-smollm2", "5. clip-higher keeps entropy up, smollm2 (where ε_high binds)", "DAPO §3.1, Fig. 2",
+    Claim("5-smollm2", "5. clip-higher keeps entropy up, smollm2 (where ε_high binds at step 1)", "DAPO §3.1, Fig. 2",
           f"log of the entropy ratio, entropy over steps {SMOLLM2_STEPS // 2 + 1}-{SMOLLM2_STEPS} (nats/token)",
           "smollm2: grpo-b0-eh0.28 vs grpo-b0 (GRPO β=0, ε_high 0.28 vs 0.2: nothing else), paired by seed",
           math.log(1.1),
@@ -558,10 +613,33 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "2-clip-tokens": ("smollm2prefix", "gspo", "grpo-b0"),
                  "2-learn": ("base", "gspo", "grpo-b0"),
                  "3-b0": ("stale16", "grpo-b0", "gspo"), "3-b0.04": ("stale16", "grpo", "gspo-b0.04"),
+                 "3-b0-rep": ("stale16rep", "grpo-b0", "gspo"),
                  "4-agg": ("base", "grpo-b0", "grpo-b0-sumnorm"), "4-agg-120": ("base120", "grpo-b0", "grpo-b0-sumnorm"),
                  "5-entropy": ("stale16", "dapo", "dapo-eh0.2"), "5-smollm2": ("smollm2", "grpo-b0-eh0.28", "grpo-b0"),
                  "6-cispo-learn": ("base", "cispo", "gspo"), "6-cispo-stale": ("stale16", "gspo", "cispo"),
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo")}
+
+
+def runs_read(key: str) -> set[tuple[str, str]]:
+    """The (cell, arm) runs a row's estimate reads: claim 1 every registered arm of its cell, the others their two."""
+    if key.startswith("1-"):
+        cell = {"1-within": "smollm2prefix"}.get(key, key[2:])
+        return {(cell, a) for a in CELLS[cell][1] if a not in SUCCESSORS}
+    cell, a, b = CONTRAST_ARMS[key]
+    return {(cell, a), (cell, b)}
+
+
+def sharing(keys: list[str]) -> list[list[str]]:
+    """The rows grouped by the runs they read: two rows that read a run in common are in one group (they are not
+    independent findings)."""
+    groups: list[tuple[set, list[str]]] = []
+    for key in keys:
+        reads, members = runs_read(key), [key]
+        for g in [g for g in groups if g[0] & reads]:
+            groups.remove(g)
+            reads, members = reads | g[0], g[1] + members
+        groups.append((reads, members))
+    return [sorted(m, key=keys.index) for _, m in sorted(groups, key=lambda g: keys.index(min(g[1], key=keys.index)))]
 
 
 def judge(runs: list[dict]) -> list[dict]:
@@ -609,7 +687,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "base120": "ed0e9a0: claim 4 over 120 steps",
             "smollm2": "984f7c5: claim 5 where ε_high binds",
             "smollm2long": "8836d10: claims 1 and 2a on SmolLM2 writing its working",
-            "smollm2prefix": "issue 49: claim 1 inside each sequence, 2a in tokens"}
+            "smollm2prefix": "issue 49: claim 1 inside each sequence, 2a in tokens",
+            "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

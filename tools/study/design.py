@@ -59,6 +59,12 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "gspo": ("gspo", {}),
     }),
+    # Claim 3 at β = 0 replicated (issue 49.4), registered before any of its runs: stale16's two β = 0 arms at new
+    # seeds 5-9 (new warm starts), in a cell of their own so that no earlier claim reads them
+    "stale16rep": ({"num_minibatches": "16"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -68,6 +74,8 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
     }),
 }
 SEEDS = (0, 1, 2, 3, 4)
+REPLICATION_SEEDS = (5, 6, 7, 8, 9)  # stale16rep's
+ALL_SEEDS = SEEDS + REPLICATION_SEEDS
 
 # Run order: a run takes 7-15 min on this CPU, so the order decides what a session's budget buys. Groups run in
 # this order; within a group seed by seed (a session cut short has whole seeds): (cell, arms, seeds).
@@ -89,6 +97,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("base120", ("grpo-b0", "grpo-b0-sumnorm"), SEEDS)],  # claim 4 at 120 steps (~18 min a run on 1 thread)
     [("smollm2long", ("grpo-b0", "gspo"), SEEDS)],  # claims 1 and 2a on SmolLM2 (~16 min a run on 1 thread)
     [("smollm2prefix", ("grpo-b0", "gspo"), SEEDS)],  # claim 1 within sequences, 2a in tokens (issue 49)
+    [("stale16rep", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 3 at β = 0 replicated (~8 min a run)
 ]
 
 

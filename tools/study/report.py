@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from tools.study.claims import CLAIMS, CONTRAST_ARMS, judge, write_figures
+from tools.study.claims import CLAIMS, CONTRAST_ARMS, FAMILIES, judge, sharing, write_figures
 from tools.study.data import MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean
 from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS, changed
 from tools.study.figures import ARM_LABELS
@@ -30,10 +30,17 @@ def predicted_text(row: dict) -> str:
     return f"non-inferior: > -{c.margin:g}" if c.margin is not None else f">= {c.predicted:+.3g}"
 
 
+def power_text(e, margin: float | None) -> str:
+    """The smallest true effect these seeds detect with 80% power: against 0 (MDE), or for a non-inferiority claim
+    the effect from which the margin test shows non-inferiority (MDE - m)."""
+    if not math.isfinite(e.mde):
+        return "n/a"
+    return f"{e.mde:.2g}" if margin is None else f"non-inferior from {e.mde - margin:+.2g}"
+
+
 def table(rows: list[dict], mde: bool = True) -> list[str]:
-    tests = sum(r["verdict"] not in ("not run", "not exercised") and r["estimate"].n >= 2 for r in rows) * 2
     lines = ["| claim | contrast | predicted | estimate [95% CI] (n) | " + ("MDE (80%) | " if mde else "")
-             + f"manipulation check | verdict | Holm ({tests} tests) | one seed dropped |",
+             + "manipulation check | verdict | Holm (within its family) | one seed dropped |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if mde else "")]
     for r in rows:
         e = r["estimate"]
@@ -42,9 +49,9 @@ def table(rows: list[dict], mde: bool = True) -> list[str]:
         drops = ("n/a" if e.n < 3 or r["verdict"] in ("not run", "not exercised") else
                  "holds" if not r["seed_drop"] else f"changes in {r['seed_drop']} of {e.n}")
         cells = [r["claim"], r["contrast"], f"{predicted_text(r)} {unit}", fmt_est(e)] + \
-            ([f"{e.mde:.2g}" if math.isfinite(e.mde) else "n/a"] if mde else []) + [check, f"**{r['verdict']}**" + (
-                f" (80% power from {e.mde:.2g})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde) else ""),
-                r["holm"], drops]
+            ([power_text(e, r["margin"])] if mde else []) + [check, f"**{r['verdict']}**" + (
+                f" (80% power: {power_text(e, r['margin'])})" if r["verdict"] == "inconclusive" and math.isfinite(e.mde)
+                else ""), r["holm"], drops]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
 
@@ -55,6 +62,27 @@ WORDS = ("reproduced", "smaller than predicted", "opposite", "predicted effect e
 
 def counts(rows: list[dict], key: str = "verdict") -> str:
     return ", ".join(f"{n} {w}" for w in WORDS if (n := sum(r[key] == w for r in rows)))
+
+
+def shared_text(rows: list[dict]) -> str:
+    """How many independent sets of runs the verdicts rest on, and which rows share runs."""
+    groups = sharing([r["key"] for r in rows])
+    shared = [" + ".join(g) for g in groups if len(g) > 1]
+    return (f"{len(rows)} verdicts on {len(groups)} sets of runs (" + "; ".join(shared) +
+            " read runs in common, so they are not independent findings)")
+
+
+def families_text(rows: list[dict]) -> str:
+    """Holm's families as the code forms them: each registration's claims and the tests corrected over."""
+    parts = []
+    for family, what in FAMILIES.items():
+        mine = [r for r in rows if r["family"] == family]
+        if mine:
+            parts.append(f"{family} ({what}): {len(mine)} claim{'s' * (len(mine) != 1)}, "
+                         f"{mine[0]['family_tests']} test{'s' * (mine[0]['family_tests'] != 1)}")
+    return ("Holm's correction runs within each family, the claims one registration added (fixed when registered; "
+            "the families before issue 49 are its registration commits, read from the history afterwards): "
+            + "; ".join(parts) + ".")
 
 
 def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
@@ -78,14 +106,15 @@ def grid_runs(runs: list[dict]) -> list[dict]:
 def readme_section(runs: list[dict], rows: list[dict]) -> str:
     """The README's study section: what was run, the verdicts' count, the headline figure, the link to the table."""
     runs = grid_runs(runs)
-    smol = {c: sum(r["cell"] == c for r in runs) for c in ("smollm2", "smollm2long")}
+    smol = {c: sum(r["cell"] == c for r in runs) for c in ("smollm2", "smollm2long", "smollm2prefix")}
     lines = [README_BEGIN, "",
              f"{len(runs) - sum(smol.values())} runs of the embedded model on `--dataset embedded-long` (correct "
              f"answers of 20-295 tokens) and {sum(smol.values())} of SmolLM2-135M-Instruct ({smol['smollm2']} on "
-             f"additions for claim 5" + (f", {smol['smollm2long']} writing the long task's working in its own words "
-             "for claims 1 and 2a" if smol["smollm2long"] else "") + ").", "",
-             f"{len(rows)} verdicts: {counts(rows)}.", "",
-             f"After Holm's correction over the table's tests: {counts(rows, 'holm')}.", "",
+             f"additions for claim 5" + (f", {smol['smollm2long'] + smol['smollm2prefix']} writing the long task's "
+                                         "working in its own words for claims 1 and 2a"
+                                         if smol["smollm2long"] + smol["smollm2prefix"] else "") + ").", "",
+             f"{shared_text(rows)}: {counts(rows)}.", "",
+             f"After Holm's correction within each registration's family: {counts(rows, 'holm')}.", "",
              "The verdict table with each prediction, estimate, interval and manipulation check, the smallest "
              "detectable effects and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
              "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
@@ -126,18 +155,18 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     for cell, (_, arms) in CELLS.items():
         lines.append(f"| {cell} | {regime_text(cell)} | "
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
-    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}. After Holm's correction: {counts(rows, 'holm')}.",
-              ""] + table(rows)
+    lines += ["", "```", rule, "```", "", f"Verdicts: {shared_text(rows)}: {counts(rows)}. After Holm's correction: "
+              f"{counts(rows, 'holm')}.", "", families_text(rows), ""] + table(rows)
     lines += ["", "## What each contrast changes", "",
               "Every objective setting that differs between a contrast's two arms: from the resolved config each run "
-              "wrote where the packed data holds it, else resolved from the flags as train.py does (preset, regime, "
-              "overrides; the committed runs predate packing the config). A contrast that changes more than one "
-              "setting cannot attribute its effect to one:", ""]
+              "wrote (marked *config*) where the packed data holds it, else resolved from the flags as train.py does "
+              "(preset, regime, overrides; marked *flags*: runs packed before the config was). A contrast that "
+              "changes more than one setting cannot attribute its effect to one:", ""]
     for key, (cell, a, b) in CONTRAST_ARMS.items():
         diff = packed_changes(runs, cell, a, b)
-        diff = changed(cell, a, b) if diff is None else diff
-        lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}): {len(diff)} setting"
-                     f"{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
+        source, diff = ("flags", changed(cell, a, b)) if diff is None else ("config", diff)
+        lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}, *{source}*): {len(diff)} "
+                     f"setting{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
     lines += ["", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
     lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "

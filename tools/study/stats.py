@@ -11,7 +11,7 @@
     inconclusive         both 0 and the predicted effect inside the interval; the report gives the smallest effect
                          this n detects with 80% power, MDE = (t_0.975 + t_0.80) * sd / sqrt(n)
     A claim of "as well as" is judged against a non-inferiority margin m: non-inferior when lo > -m, inferior when
-    hi < -m, else inconclusive. A claim whose arms (or whose manipulation check's arms) have no runs yet is "not run".
+    hi < -m, else inconclusive; its power statement is the true effect from which lo > -m has 80% power, MDE - m. A claim whose arms (or whose manipulation check's arms) have no runs yet is "not run".
     Beside each verdict: the same rule after Holm's correction within the claim's family, the tests its registration
     added (for each exercised claim "effect = 0" and "effect = predicted", two-sided t tests; for a non-inferiority
     claim "effect = -m" alone): a later registration is a family of its own and changes no earlier verdict. And how
