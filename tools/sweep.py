@@ -231,9 +231,10 @@ def series(run: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def drift(run: dict, key: str, window: int = 10) -> float:
-    """Mean of `key` over the last `window` logged steps minus over the first `window` (nan if never logged)."""
+    """Mean of `key` over the last `window` logged steps minus over the first `window` (nan with fewer than
+    2 x window logged steps, where the two windows would overlap)."""
     y = series(run, key)[1]
-    return float(y[-window:].mean() - y[:window].mean()) if len(y) else math.nan
+    return float(y[-window:].mean() - y[:window].mean()) if len(y) >= 2 * window else math.nan
 
 
 def steps_to(run: dict, threshold: float) -> float:
@@ -404,7 +405,7 @@ def readme_table(runs: list[dict], threshold: float) -> str:
         per_seed = sorted(groups[(r["algo"], r["setting"])], key=lambda x: x["summary"]["seed"])
         early = [at_first(x) for x in per_seed]
         lines.append(f"| `{r['algo']}` | {np.mean(early):.3f} (" + " / ".join(f"{v:.3f}" for v in early) + ") | "
-                     f"{r['accuracy_after_mean']:.3f} ± {r['accuracy_after_std']:.3f} ({r['runs']}) | "
+                     f"{spread(r['accuracy_after_mean'], r['accuracy_after_std'], r['runs'])} ({r['runs']}) | "
                      + " / ".join(f"{x['summary']['accuracy_after']:.3f}" for x in per_seed)
                      + f" | {r['minutes_mean']:.1f} |")
     lines += ["", README_END]
@@ -415,6 +416,11 @@ def write_readme(readme: Path, table: str) -> None:
     text = readme.read_text()
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     readme.write_text(text[:start] + table + text[end:])
+
+
+def spread(mean: float, std: float, n: int) -> str:
+    """'mean ± std' over seeds; one seed has no spread to show."""
+    return f"{mean:.3f} (1 seed)" if n == 1 else f"{mean:.3f} ± {std:.3f}"
 
 
 def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> dict[str, int]:
@@ -491,17 +497,21 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3g}" if isinstance(v, float) \
+        else str(v)  # noqa: E731
     lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± std) | "
              f"steps to {threshold:g} | mean clip fraction | mean token-ratio variance | length change | minutes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['algo']} | {r['setting'] or '-'} | {r['runs']} | {r['accuracy_before']:.3f} | "
-                     f"{r['accuracy_after_mean']:.3f} ± {r['accuracy_after_std']:.3f} | "
+                     f"{spread(r['accuracy_after_mean'], r['accuracy_after_std'], r['runs'])} | "
                      f"{fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
-                     f"{fmt(r['token_ratio_var_mean'])} | {r['length_change']:+.1f} | {r['minutes_mean']:.1f} |")
+                     f"{fmt(r['token_ratio_var_mean'])} | "
+                     f"{'n/a' if math.isnan(r['length_change']) else format(r['length_change'], '+.1f')} | "
+                     f"{r['minutes_mean']:.1f} |")
     lines += ["", "(Clip fraction: of sequences for sequence-level ratios, of tokens otherwise. Length change: mean "
-              "completion length over the last 10 steps minus the first 10.)", ""] + detail_tables(runs)
+              "completion length over the last 10 steps minus the first 10, n/a under 20 steps. Steps to the "
+              "threshold: n/a where no evaluation reached it.)", ""] + detail_tables(runs)
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -45,6 +45,9 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     assert sorted((r["algo"], r["setting"]) for r in rows) == sorted(
         (a, f"lr={lr} num_minibatches={n}") for a in ("gspo", "grpo") for lr in ("1e-3", "5e-4") for n in (2, 4))
     assert all(0 <= float(r["accuracy_after_mean"]) <= 1 for r in rows)
+    # one seed and two steps: no spread, no length change and no unreached threshold printed as numbers
+    md = (report / "summary.md").read_text()
+    assert md.count("(1 seed)") == 8 and "± 0.000" not in md and "nan" not in md and "| +0.0 |" not in md
 
     # the report carries its data: one packed file per run, from which the same report is rebuilt
     runs = sweep.load_runs(report / "data")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tools import sweep
-from tools.sweep import series
+from tools.sweep import drift, series
 
 # A run that train.py stopped with an error is a result too: the policy broke. (log text -> what it means)
 STOPS = {"non-finite losses": "non-finite stop",
@@ -127,12 +127,6 @@ def prefix_slope(run: dict) -> float:
     if not all(math.isfinite(v) and v > 0 for v in stds):
         return math.nan
     return float(np.polyfit(np.log(PREFIX_K), np.log(stds), 1)[0])
-
-
-def drift(run: dict, key: str, window: int = 10) -> float:
-    """Mean of `key` over the last `window` logged steps minus over the first `window`."""
-    y = series(run, key)[1]
-    return float(y[-window:].mean() - y[:window].mean()) if len(y) >= 2 * window else math.nan
 
 
 def entropy_last10(run: dict) -> float:
