@@ -194,10 +194,26 @@ def convert_trusted(path: Path) -> None:
     os.replace(path / "state.pt.tmp", path / "state.pt")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """`python -m plumbing.checkpoint --convert-trusted DIR`: the one command line of this module."""
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "--convert-trusted":
-        sys.exit("usage: python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)")
-    convert_trusted(Path(sys.argv[2]))
-    print(f"converted {sys.argv[2]}/state.pt: it loads with weights_only now")
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)"
+    problem = (f"usage: {usage}" if len(argv) != 2 or argv[0] != "--convert-trusted" else
+               f"{argv[1]} has no state.pt: pass a checkpoint folder, RUN/checkpoints/step-NNNNNN"
+               if not (Path(argv[1]) / "state.pt").is_file() else None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        convert_trusted(Path(argv[1]))
+    except Exception as e:  # torch.load and an unexpected layout raise many types; all mean "not a checkpoint"
+        print(f"error: cannot convert {argv[1]}/state.pt ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+              "it is not a checkpoint this project wrote", file=sys.stderr)
+        sys.exit(2)
+    print(f"converted {argv[1]}/state.pt: it loads with weights_only now")
+
+
+if __name__ == "__main__":
+    main()

@@ -89,6 +89,9 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.temperature < 0.01, "--temperature {temperature} is greedy in all but name: every completion of a "
                                      "group would be the same, so no advantage is non-zero. Use >= 0.01 (1.0 samples "
                                      "plainly)"),
+    (lambda a: a.entropy_target is not None and not a.entropy_target > 0,
+     "--entropy-target must be > 0 nats per token (got {entropy_target}): entropy is never below 0, so the bonus "
+     "would never apply; leave it unset for a fixed --entropy-coef"),
     (lambda a: a.format_weight < 0 or a.overlong_weight < 0,
      "reward weights must be >= 0 (got --format-weight {format_weight}, --overlong-weight {overlong_weight}); a "
      "negative one rewards what it should punish"),
@@ -156,9 +159,10 @@ def working_schedulers() -> list[str]:
     return names
 
 
-def parse(cli, description: str, argv: list[str] | None):
+def parse(cli, description: str, argv: list[str] | None, program: str = "python train.py", **tyro_kwargs):
     """tyro's parse, with a parse error (an unknown flag, a value of the wrong type, a choice that does not exist)
-    as one `error:` line and exit code 2 instead of tyro's box; a choice's valid values come closest first."""
+    as one `error:` line and exit code 2 instead of tyro's box; a choice's valid values come closest first. Every
+    entry point parses through here (`program` names it in the hint)."""
     import contextlib
     import difflib
     import io
@@ -170,7 +174,7 @@ def parse(cli, description: str, argv: list[str] | None):
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            return tyro.cli(cli, description=description, args=argv)
+            return tyro.cli(cli, description=description, args=argv, **tyro_kwargs)
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
@@ -180,7 +184,7 @@ def parse(cli, description: str, argv: list[str] | None):
             value, flag, options = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
             ranked = difflib.get_close_matches(value, options, n=len(options), cutoff=0)
             message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
-        print(f"error: {message} (python train.py --help lists every flag)", file=sys.stderr)
+        print(f"error: {message} ({program} --help lists every flag)", file=sys.stderr)
         sys.exit(2)
 
 

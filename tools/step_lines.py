@@ -18,6 +18,7 @@ import ast
 import functools
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,9 +172,17 @@ def report(title: str, counted: dict) -> None:
         print(f"  {m}: {', '.join(c['functions'])}")
 
 
-def main() -> None:
+@dataclass
+class StepLinesArgs:
+    """Count the lines one RL step reads (no settings: the default run and DAPO's, on the embedded model)."""
+
+
+def main(argv: list[str] | None = None) -> None:
     import torch
 
+    from plumbing import flags
+
+    flags.parse(StepLinesArgs, __doc__, argv, program="python -m tools.step_lines")
     torch.set_num_threads(1)
     for algo in ("gspo", "dapo"):
         report(f"one RL step of --algo {algo}, the core reader's path", measure(one_step(algo)))

@@ -52,6 +52,7 @@ def refused(argv, capsys, out: Path, message: str, seconds: float | None = None)
 # ---------------------------------------------------------------------------------------------------------------
 
 FLAGS = [
+    (["--entropy-target", "-1"], "--entropy-target must be > 0"),
     (["--lr", "inf"], "--lr must be a finite number"),
     (["--lr", "-inf"], "--lr must be a finite number"),
     (["--lr", "nan"], "--lr must be a finite number"),
@@ -584,3 +585,66 @@ def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_p
             train.main(SMALL + argv)  # the bad flag last: the last of a repeated flag wins
         assert exc.value.code == 2
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
+
+
+# Every other entry point, walked with what a hurried user passes: a missing path, the wrong kind of path, a
+# malformed file, a number out of range, an unknown flag. Each is one `error:` line and exit 2, in-process.
+def entry_points(tmp_path: Path) -> list[tuple[str, list[str], str]]:
+    import json as json_
+
+    tmp_path.mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "not.gguf").write_text("x")
+    (tmp_path / "bad_config").mkdir()
+    (tmp_path / "bad_config" / "config.json").write_text("{not json")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text(json_.dumps({"hidden_size": 64}))
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "state.pt").write_text("not a checkpoint")
+    return [
+        ("tools.memory", ["--model", str(tmp_path / "missing")], "is neither a model folder"),
+        ("tools.memory", ["--model", str(tmp_path / "empty")], "has no config.json"),
+        ("tools.memory", ["--model", str(tmp_path / "not.gguf")], "not a GGUF file"),
+        ("tools.memory", ["--model", str(tmp_path / "bad_config")], "cannot read"),
+        ("tools.memory", ["--model", str(tmp_path / "partial")], "has no num_hidden_layers"),
+        ("tools.memory", ["--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),
+        ("tools.memory", ["--lora-rank", "8"], "pass --model too"),
+        ("tools.memory", ["--num-prompts", "abc"], "--num-prompts"),
+        ("tools.memory", ["--bogus"], "--bogus"),
+        ("tools.bench", ["--config", "nope"], "--config 'nope' is not one of its choices"),
+        ("tools.bench", ["--steps", "-1"], "--steps -1"),
+        ("tools.bench", ["--repeats", "0"], "--repeats 0"),
+        ("tools.sweep", ["--parallel", "0"], "--parallel 0"),
+        ("tools.sweep", ["--threshold", "2"], "--threshold 2.0"),
+        ("tools.sweep", ["--algos", "ppo"], "--algos 'ppo' is not an objective"),
+        ("tools.sweep", ["--report-only", "--report-dir", str(tmp_path / "missing")], "no finished runs"),
+        ("tools.sweep", ["--set", "lr"], "--set"),
+        ("tools.study", ["--cells", "nope"], "unknown cell nope"),
+        ("tools.study", ["--parallel", "0"], "--parallel 0"),
+        ("tools.study", ["--seeds", "12"], "--seeds 12"),
+        ("tools.study", ["--report-only", "--data-dir", str(tmp_path / "missing")], "no runs in"),
+        ("tools.step_lines", ["--bogus"], "--bogus"),
+        ("plumbing.checkpoint", [], "usage:"),
+        ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "missing")], "has no state.pt"),
+        ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "step")], "cannot convert"),
+    ]
+
+
+def test_every_entry_point_answers_a_bad_argument_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)  # whatever a tool would write lands here: nothing must
+    walked = set()
+    for module, argv, message in entry_points(tmp_path / "in"):
+        main = importlib.import_module(module if module != "tools.study" else "tools.study.__main__").main
+        before = sorted(p for p in tmp_path.rglob("*"))
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert exc.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (module, argv, err)
+        assert message in lines[0], (module, argv, lines[0])
+        assert sorted(p for p in tmp_path.rglob("*")) == before, (module, argv, "wrote something")
+        walked.add(module)
+    assert walked == {"tools.memory", "tools.bench", "tools.sweep", "tools.study", "tools.step_lines",
+                      "plumbing.checkpoint"}

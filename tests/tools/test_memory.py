@@ -196,3 +196,16 @@ def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies():
     assert per["autocast copies"] == e["autocast copies"] and per["gathered for generation"] == 4 * s.params
     assert memory.sharded_total(memory.sharded(e, 8, s.params)) < memory.sharded_total(per) < memory.total(e)
     assert memory.fsdp_table(8) in (ROOT / "docs" / "reference.md").read_text()
+
+
+def test_a_lora_run_folder_is_estimated_as_its_base_model_at_the_adapters_rank(tmp_path, tiny_policy_dir, capsys):
+    from tools import memory
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_policy_dir), "r": 8}))
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"algo": "gspo"}))  # the run's own config, not a model's
+    memory.main(["--model", str(tmp_path / "run")])
+    from_run = capsys.readouterr().out
+    memory.main(["--model", str(tiny_policy_dir), "--lora-rank", "8"])
+    assert from_run == capsys.readouterr().out and "LoRA r=8" in from_run

@@ -25,17 +25,21 @@ class StudyArgs:
     """skip running, only rebuild the report (and the README's study section) from data_dir"""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import sys
 
-    import tyro
+    from plumbing import flags
 
-    args = tyro.cli(StudyArgs, description=study.__doc__)
+    args = flags.parse(StudyArgs, study.__doc__, argv, program="python -m tools.study")
     runs_dir, data_dir = Path(args.output_dir) / "study" / "runs", Path(args.data_dir)
     if not args.report_only:
         unknown = sorted(set(args.cells) - set(CELLS))
-        if unknown:
-            print(f"error: unknown cell {', '.join(unknown)}; the cells are {', '.join(CELLS)}", file=sys.stderr)
+        problem = (f"unknown cell {', '.join(unknown)}; the cells are {', '.join(CELLS)}" if unknown else
+                   f"--parallel {args.parallel}: must be at least 1 (runs at a time)" if args.parallel < 1 else
+                   f"--seeds {' '.join(map(str, sorted(set(args.seeds) - set(ALL_SEEDS))))}: the study's seeds are "
+                   f"{', '.join(map(str, ALL_SEEDS))}" if set(args.seeds) - set(ALL_SEEDS) else None)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             sys.exit(2)
         sweep.run_grid(with_models(grid(args.cells, args.seeds)), "study", COMMON, runs_dir, args.parallel)
         print(f"packed {len(pack(runs_dir, data_dir))} new runs into {data_dir}")
