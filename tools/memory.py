@@ -618,7 +618,11 @@ def for_model(a: MemoryArgs) -> str:
     lora = lora_of(a.model)
     if lora:  # a LoRA run: its base model at the adapter's rank (unless --lora-rank says otherwise)
         a = replace(a, model=lora[0], lora_rank=a.lora_rank or lora[1])
-    s = shape_of(a.model)
+    return for_shape(a, shape_of(a.model))
+
+
+def for_shape(a: MemoryArgs, s: Shape) -> str:
+    """for_model's text for a Shape at hand (docs/recipes.md quotes it for Qwen2.5's shapes)."""
     minibatch = a.num_prompts * a.num_generations // a.num_minibatches
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4

@@ -624,6 +624,7 @@ def entry_points(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("tools.study", ["--seeds", "12"], "--seeds 12"),
         ("tools.study", ["--report-only", "--data-dir", str(tmp_path / "missing")], "no runs in"),
         ("tools.step_lines", ["--bogus"], "--bogus"),
+        ("tools.recipes", ["--bogus"], "--bogus"),
         ("plumbing.checkpoint", [], "usage:"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "missing")], "has no state.pt"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "step")], "cannot convert"),
@@ -647,4 +648,4 @@ def test_every_entry_point_answers_a_bad_argument_in_one_line(tmp_path, capsys, 
         assert sorted(p for p in tmp_path.rglob("*")) == before, (module, argv, "wrote something")
         walked.add(module)
     assert walked == {"tools.memory", "tools.bench", "tools.sweep", "tools.study", "tools.step_lines",
-                      "plumbing.checkpoint"}
+                      "tools.recipes", "plumbing.checkpoint"}

@@ -163,14 +163,14 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
 
     adapter = tmp_path / "final"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-1.5B"}))
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-1.5B", "r": 16}))
     (tmp_path / "empty").mkdir()
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     cases = [(["--model", str(tmp_path / "missing.gguf")], "no such file"),
-             (["--model", str(adapter)], "holds a LoRA adapter, not a model; pass its base model (Qwen/Qwen2.5-1.5B)"),
+             (["--model", str(adapter)], "cannot read the config of Qwen/Qwen2.5-1.5B"),  # its base, with no hub
              (["--model", str(tmp_path / "empty")], "has no config.json"),
              (["--model", str(tmp_path / "odd")], "has no num_hidden_layers"),
              (["--model", str(tmp_path / "model"), "--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),

@@ -1,0 +1,97 @@
+"""docs/recipes.md: each recipe's command parses, resolves and passes train.py's checks, its memory block is
+tools.memory's estimate and fits its card, a full fine-tune passes the refusal of what cannot fit, and the run
+starts through model loading on a stand-in (no download)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as models
+import train
+from plumbing import flags
+from plumbing import run as runs
+from tools import memory, recipes
+
+PAGE = recipes.PAGE.read_text()
+RECIPES = recipes.recipes(PAGE)
+
+
+def test_the_page_has_its_recipes_and_is_current():
+    assert [r.number for r in RECIPES] == [1, 2, 3, 4] and {r.card for r in RECIPES} == {24, 80}
+    assert recipes.filled(PAGE) == PAGE, "run python -m tools.recipes"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: str(r.number))
+def test_each_recipe_resolves_and_fits_its_card(recipe, tmp_path, monkeypatch):
+    args, cfg = recipes.resolved(recipe.argv)
+    flags.validate(args)  # every check train.py makes before loading (the hub dataset's name included)
+    assert recipes.peak_gib(recipe) <= (1 - memory.MARGIN) * recipe.card
+    if args.lora_rank:
+        return
+    # the refusal of a full fine-tune that cannot fit, on a config.json of the model's shape: passes on the card
+    s = recipes.shape(args.model)
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": s.hidden,
+              "intermediate_size": s.intermediate, "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
+              "num_key_value_heads": s.kv // (s.hidden // s.heads), "vocab_size": s.vocab,
+              "tie_word_embeddings": True}  # Qwen2.5 up to 3B ties the head to the embeddings
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert models.parameter_counts(str(tmp_path))[0] == pytest.approx(s.params, rel=0.01)
+    for card, fits in ((recipe.card, True), (1, False), *(((24, False),) if recipe.card > 24 else ())):
+        monkeypatch.setattr(models, "free_memory", lambda device, card=card: card * memory.GiB)
+        if fits:
+            models.refuse_what_cannot_fit(str(tmp_path), torch.device("cuda"), torch.bfloat16, cfg.beta > 0)
+        else:
+            with pytest.raises(models.ModelError, match="train LoRA adapters instead"):
+                models.refuse_what_cannot_fit(str(tmp_path), torch.device("cuda"), torch.bfloat16, cfg.beta > 0)
+
+
+class Started(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory) -> Path:
+    """A small random chat model with room for a chat-formatted GSM8K-style prompt (the embedded tokenizer spells
+    text out character by character)."""
+    from conftest import CHAT_TEMPLATE
+
+    tok = models.build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    model = models.build_tiny_model(tok, seed=1, hidden=32, layers=2, max_positions=512)
+    tok.pad_token = tok.eos_token
+    model.config.pad_token_id = tok.eos_token_id
+    out = tmp_path_factory.mktemp("stand_in")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: str(r.number))
+def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_in):
+    data = tmp_path / "gsm8k.jsonl"  # GSM8K's shape: a question, a worked answer ending in '#### n'
+    data.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                        "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
+                            for a in range(1, 9) for b in range(1, 9)))
+    argv, skip = [], {"--model", "--dataset", "--dataset-config", "--max-new-tokens"}
+    it = iter(recipe.argv)
+    for word in it:
+        if word in skip:
+            next(it)
+        else:
+            argv.append(word)
+    seen = {}
+
+    def stop(*a, **kw):  # the first evaluation: everything before it has been built
+        seen["policy"] = a[1]
+        raise Started
+
+    monkeypatch.setattr(runs, "evaluate", stop)
+    with pytest.raises(Started):
+        train.main(argv + ["--model", str(stand_in), "--dataset", str(data), "--max-new-tokens", "16",
+                           "--output-dir", str(tmp_path / "runs"), "--wandb-mode", "disabled"])
+    args, _ = recipes.resolved(recipe.argv)
+    trainable = [p for p in seen["policy"].parameters() if p.requires_grad]
+    assert bool(args.lora_rank) == (len(trainable) < len(list(seen["policy"].parameters())))
+    assert seen["policy"].is_gradient_checkpointing == args.gradient_checkpointing
