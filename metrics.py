@@ -115,8 +115,19 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
 
 def timing(batch, rollout_s: float, update_s: float, lr: float, world) -> dict:
     tokens = world.sum([float(batch.ro.lengths.sum())])[0]  # generated over all ranks
+    peaks = world.gather(peak_memory_gib())  # each rank's, so a sharded run shows every card's
     return {"charts/lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
-            "perf/gen_tokens_per_s": tokens / rollout_s}
+            "perf/gen_tokens_per_s": tokens / rollout_s, "perf/peak_memory_gib_max": max(peaks),
+            "perf/peak_memory_gib_min": min(peaks)}
+
+
+def peak_memory_gib() -> float:
+    """This process's peak so far: CUDA's allocated high-water mark where CUDA is in use, else the resident set's."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 # ---------------------------------------------------------------------------------------------------------------
