@@ -258,11 +258,11 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
     elif source == "recompute":  # PLUMBING (score_rows): in micro-batches, halved after an out-of-memory error
         old_logp, old_entropy = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, True,
                                                                          args.logprob_chunk),
-                                           everything, mb_size, args.micro_batch_size)
+                                           everything, mb_size, args.micro_batch_size, world)
     if cfg.beta > 0 and cfg.kl_in == "loss":
         ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature,
                                                             chunk=args.logprob_chunk), everything, mb_size,
-                              args.micro_batch_size)
+                              args.micro_batch_size, world)
 
     # the current policy's entropy, where the objective reads it (with gradient for the bonus)
     needs_entropy = "grad" if cfg.entropy_coef != 0.0 or entropy_control else \
@@ -309,7 +309,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                                ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
     if args.log_prefix_spread and not on_policy:  # the study's: every row once more, under the updated policy
         after = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, chunk=args.logprob_chunk),
-                           everything, mb_size, args.micro_batch_size)
+                           everything, mb_size, args.micro_batch_size, world)
         diag.update(metrics.prefix_spread(*world.gather_rows(after, old_logp, mask)))
     control = {} if entropy_control is None else {"entropy/coef": entropy_control.coef}  # where the controller stands
     return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
@@ -340,7 +340,7 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
         on, rows = batch.ro.to(policy.device), torch.arange(len(batch.ro.lengths), device=policy.device)
         ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature,
                                                          chunk=args.logprob_chunk), rows,
-                              len(rows) // args.num_minibatches, args.micro_batch_size).cpu()  # PLUMBING: as pi_old's
+                              len(rows) // args.num_minibatches, args.micro_batch_size, world).cpu()  # PLUMBING
         reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch

@@ -84,13 +84,16 @@ class StepLog:
                 "losses/skipped_updates": self.skipped}
 
 
-def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int):
+def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int, world: World | None = None):
     """fn(rows) over every row in micro-batches (--micro-batch-size, or halved from step_rows after an out-of-memory
     error), concatenated: a forward pass without gradient, e.g. pi_old's or the reference's log-probs of a rollout.
-    It holds no collective, so under torchrun a rank halves alone too; its size is remembered apart from the
-    update's, which every rank must split alike."""
+    Under data parallel it holds no collective, so a rank halves alone; its size is remembered apart from the
+    update's, which every rank must split alike. Under --fsdp (`world.sharded`) each layer's forward gathers its
+    weights from every rank, so a rank halving alone would leave the others waiting: the error is raised instead."""
     @torch.no_grad()  # not inference_mode: FSDP's gather buffers made in it could not be written outside it
     def run(micro):
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
-    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, key=f"score {step_rows}")
+    collective = world is not None and world.sharded is not None
+    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, world.size if collective else 1,
+                                   key=f"score {step_rows}")

@@ -480,6 +480,11 @@ def test_scoring_passes_halve_under_torchrun_too():
 
     assert score_rows(fits_two, torch.arange(8), 8, 0).tolist() == list(range(0, 80, 10))  # no world size to ask
     assert lifecycle.AUTO_MICRO_BATCH == {"score 8": 2}
+    lifecycle.AUTO_MICRO_BATCH.clear()
+    assert score_rows(fits_two, torch.arange(8), 8, 0, World(rank=1, size=2)).tolist() == list(range(0, 80, 10))
+    lifecycle.AUTO_MICRO_BATCH.clear()
+    with pytest.raises(RuntimeError, match="allocate"):  # under --fsdp a forward gathers from every rank: no halving
+        score_rows(fits_two, torch.arange(8), 8, 0, World(rank=1, size=2, sharded=torch.nn.Linear(1, 1)))
     step = MicroBatches(torch.arange(8), 0, World(rank=1, size=2), lambda: None)
     with pytest.raises(RuntimeError, match="allocate"):  # the update itself still refuses to halve alone
         for part in step:
