@@ -298,3 +298,28 @@ def test_each_contrast_lists_every_setting_it_changes():
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
+
+
+def test_a_later_family_changes_no_earlier_holm_reading_and_the_counts_are_the_codes():
+    """Issue 49.2: Holm's correction runs within each registration's family, so the runs of a later cell change no
+    earlier row's corrected verdict; the report states each family's test count as the code forms it."""
+    from tools.study import claims, report
+
+    runs = synthetic_study()
+    with_all = {r["key"]: r for r in study.judge(runs)}
+    without = {r["key"]: r for r in study.judge([r for r in runs if r["cell"] != "smollm2prefix"])}
+    assert {k: r["holm"] for k, r in without.items() if r["family"] != "smollm2prefix"} == \
+        {k: r["holm"] for k, r in with_all.items() if r["family"] != "smollm2prefix"}
+    assert without["1-within"]["verdict"] == "not run" and with_all["1-within"]["verdict"] == "reproduced"
+    rows = list(with_all.values())
+    for family in claims.FAMILIES:
+        mine = [r for r in rows if r["family"] == family]
+        tests = sum(not math.isnan(p) for _, p in claims.family_tests(mine))
+        assert all(r["family_tests"] == tests for r in mine)
+        assert f"{family} (" in report.families_text(rows) and f", {tests} test" in report.families_text(rows)
+    # a non-inferiority claim makes one test (effect = -m), the others two (effect = 0 and = predicted)
+    e = study.estimate([0.1, 0.2, 0.15, 0.12])
+    made = claims.family_tests([{"verdict": "inconclusive", "estimate": e, "margin": 0.1, "predicted": 0.0},
+                                {"verdict": "reproduced", "estimate": e, "margin": None, "predicted": 0.5},
+                                {"verdict": "not exercised", "estimate": e, "margin": None, "predicted": 0.5}])
+    assert [i for i, _ in made] == [0, 1, 1]

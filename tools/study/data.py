@@ -114,16 +114,21 @@ def length_exponent(run: dict, key: str = "std_logsum") -> float:
 PREFIX_K = (4, 8, 16, 32, 64)  # metrics.PREFIX_K, the prefix lengths train.py --log-prefix-spread logs
 
 
-def prefix_stds(run: dict) -> list[float]:
-    """Per k in PREFIX_K: the root mean square over the run's steps of std_i S_ik (metrics.prefix_spread)."""
-    return [math.sqrt(np.mean(np.square(series(run, f"prefix/std_k{k}")[1]))) if len(series(run, f"prefix/std_k{k}")[1])
-            else math.nan for k in PREFIX_K]
+def prefix_stds(run: dict, last: int | None = None) -> list[float]:
+    """Per k in PREFIX_K: the root mean square over the run's steps (up to `last`) of std_i S_ik
+    (metrics.prefix_spread)."""
+    out = []
+    for k in PREFIX_K:
+        steps, stds = series(run, f"prefix/std_k{k}")
+        stds = stds[steps <= last] if last is not None else stds
+        out.append(math.sqrt(np.mean(np.square(stds))) if len(stds) else math.nan)
+    return out
 
 
-def prefix_slope(run: dict) -> float:
+def prefix_slope(run: dict, last: int | None = None) -> float:
     """Least-squares slope of log prefix_stds against log k: 0.5 for i.i.d. token log-ratios, 1 for tokens that all
     move alike."""
-    stds = prefix_stds(run)
+    stds = prefix_stds(run, last)
     if not all(math.isfinite(v) and v > 0 for v in stds):
         return math.nan
     return float(np.polyfit(np.log(PREFIX_K), np.log(stds), 1)[0])

@@ -66,10 +66,10 @@ def counts(rows: list[dict], key: str = "verdict") -> str:
 
 def shared_text(rows: list[dict]) -> str:
     """How many independent sets of runs the verdicts rest on, and which rows share runs."""
-    groups = sharing([r["key"] for r in rows])
-    shared = [" + ".join(g) for g in groups if len(g) > 1]
-    return (f"{len(rows)} verdicts on {len(groups)} sets of runs (" + "; ".join(shared) +
-            " read runs in common, so they are not independent findings)")
+    groups = sharing([r["key"] for r in rows if r["verdict"] != "not run"])
+    shared = [", ".join(g) for g in groups if len(g) > 1]
+    return (f"They rest on {len(groups)} sets of runs; rows that read runs in common are not independent findings: "
+            + "; ".join(shared) + ".")
 
 
 def families_text(rows: list[dict]) -> str:
@@ -110,10 +110,11 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     lines = [README_BEGIN, "",
              f"{len(runs) - sum(smol.values())} runs of the embedded model on `--dataset embedded-long` (correct "
              f"answers of 20-295 tokens) and {sum(smol.values())} of SmolLM2-135M-Instruct ({smol['smollm2']} on "
-             f"additions for claim 5" + (f", {smol['smollm2long'] + smol['smollm2prefix']} writing the long task's "
-                                         "working in its own words for claims 1 and 2a"
-                                         if smol["smollm2long"] + smol["smollm2prefix"] else "") + ").", "",
-             f"{shared_text(rows)}: {counts(rows)}.", "",
+             f"additions for claim 5" + (f", {smol['smollm2long']} writing the long task's working in its own words "
+                                         "for claims 1 and 2a" if smol["smollm2long"] else "") +
+             (f", the same {smol['smollm2prefix']} made again with the prefix sums logged"
+              if smol["smollm2prefix"] else "") + ").", "",
+             f"{len(rows)} verdicts: {counts(rows)}. {shared_text(rows)}", "",
              f"After Holm's correction within each registration's family: {counts(rows, 'holm')}.", "",
              "The verdict table with each prediction, estimate, interval and manipulation check, the smallest "
              "detectable effects and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
@@ -155,8 +156,8 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
     for cell, (_, arms) in CELLS.items():
         lines.append(f"| {cell} | {regime_text(cell)} | "
                      + ", ".join(f"{a} ({ARM_LABELS[a]}, {len(arm_runs(runs, cell, a))} seed{'s' if len(arm_runs(runs, cell, a)) != 1 else ''})" for a in arms) + " |")
-    lines += ["", "```", rule, "```", "", f"Verdicts: {shared_text(rows)}: {counts(rows)}. After Holm's correction: "
-              f"{counts(rows, 'holm')}.", "", families_text(rows), ""] + table(rows)
+    lines += ["", "```", rule, "```", "", f"Verdicts: {counts(rows)}. After Holm's correction: "
+              f"{counts(rows, 'holm')}. {shared_text(rows)}", "", families_text(rows), ""] + table(rows)
     lines += ["", "## What each contrast changes", "",
               "Every objective setting that differs between a contrast's two arms: from the resolved config each run "
               "wrote (marked *config*) where the packed data holds it, else resolved from the flags as train.py does "
