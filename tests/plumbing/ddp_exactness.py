@@ -101,6 +101,7 @@ def main(model_dir: str, out: str, dtype: str = "float64") -> None:
                                              "tokens_per_rank": tokens, "delta_norm": scale}
     if world.main:
         Path(out).write_text(json.dumps(results, indent=1))
+    world.barrier()  # a rank that leaves the group while another still works can abort in gloo (seen once)
     ddp.teardown()
 
 

@@ -83,6 +83,7 @@ def main(model_dir: str, out: str) -> None:
                              "held_per_rank": {k: [sharded["held"][k], one["held"][k]] for k in one["held"]}}
     if world.main:
         Path(out).write_text(json.dumps(results, indent=1))
+    world.barrier()  # a rank that leaves the group while another still works can abort in gloo (seen once)
     ddp.teardown()
 
 
@@ -109,6 +110,7 @@ def reshard(checkpoint_dir: str, out: str) -> None:
                      for m, v in s.items())
         Path(out).write_text(json.dumps({"processes": world.size, "weights": w_diff, "optimizer": o_diff,
                                          "moments": len(state["optimizer"]["state"])}))
+    world.barrier()  # a rank that leaves the group while another still works can abort in gloo (seen once)
     ddp.teardown()
 
 
