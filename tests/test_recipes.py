@@ -1,6 +1,7 @@
 """docs/recipes.md: each recipe's command parses, resolves and passes train.py's checks, its memory block is
 tools.memory's estimate and fits its card, a full fine-tune passes the refusal of what cannot fit, and the run
-starts through model loading on a stand-in (no download)."""
+starts with the recipe's own flags through model loading on a stand-in of the model's widths and vocabulary (one
+layer; no download)."""
 
 import json
 from pathlib import Path
@@ -52,29 +53,44 @@ class Started(Exception):
 
 
 @pytest.fixture(scope="module")
-def stand_in(tmp_path_factory) -> Path:
-    """A small random chat model with room for a chat-formatted GSM8K-style prompt (the embedded tokenizer spells
-    text out character by character)."""
+def stand_ins(tmp_path_factory) -> dict[str, Path]:
+    """Per Qwen2.5 shape the recipes name: a random Qwen2 model built from its config (its widths, heads, vocabulary,
+    tied head and context) with one layer instead of 24-28, and the embedded tokenizer with a chat template (the real
+    tokenizer would need the hub). The layer count changes no flag's path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.initialization import no_init_weights
+
     from conftest import CHAT_TEMPLATE
 
     tok = models.build_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    model = models.build_tiny_model(tok, seed=1, hidden=32, layers=2, max_positions=512)
     tok.pad_token = tok.eos_token
-    model.config.pad_token_id = tok.eos_token_id
-    out = tmp_path_factory.mktemp("stand_in")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    out = {}
+    for model in sorted({recipes.resolved(r.argv)[0].model for r in RECIPES}):
+        s = recipes.shape(model)
+        config = Qwen2Config(
+            hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=1, num_attention_heads=s.heads,
+            num_key_value_heads=s.kv // (s.hidden // s.heads), vocab_size=s.vocab, tie_word_embeddings=True,
+            max_position_embeddings=32768, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.eos_token_id)
+        with no_init_weights():  # zeros instead: starting needs the shapes, and a random init of 0.3B weights is slow
+            policy = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        for p in policy.parameters():
+            p.data.zero_()
+        out[model] = tmp_path_factory.mktemp(s.name)
+        policy.save_pretrained(out[model])
+        tok.save_pretrained(out[model])
+        del policy
     return out
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: str(r.number))
-def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_in):
+def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_ins):
     data = tmp_path / "gsm8k.jsonl"  # GSM8K's shape: a question, a worked answer ending in '#### n'
     data.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
                                         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
                             for a in range(1, 9) for b in range(1, 9)))
-    argv, skip = [], {"--model", "--dataset", "--dataset-config", "--max-new-tokens"}
+    argv, skip = [], {"--model", "--dataset", "--dataset-config"}
     it = iter(recipe.argv)
     for word in it:
         if word in skip:
@@ -88,10 +104,11 @@ def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_i
         raise Started
 
     monkeypatch.setattr(runs, "evaluate", stop)
-    with pytest.raises(Started):
-        train.main(argv + ["--model", str(stand_in), "--dataset", str(data), "--max-new-tokens", "16",
-                           "--output-dir", str(tmp_path / "runs"), "--wandb-mode", "disabled"])
     args, _ = recipes.resolved(recipe.argv)
+    with pytest.raises(Started):
+        train.main(argv + ["--model", str(stand_ins[args.model]), "--dataset", str(data),
+                           "--output-dir", str(tmp_path / "runs"), "--wandb-mode", "disabled"])
+    assert seen["policy"].config.vocab_size == recipes.shape(args.model).vocab
     trainable = [p for p in seen["policy"].parameters() if p.requires_grad]
     assert bool(args.lora_rank) == (len(trainable) < len(list(seen["policy"].parameters())))
     assert seen["policy"].is_gradient_checkpointing == args.gradient_checkpointing
