@@ -621,13 +621,18 @@ def for_model(a: MemoryArgs) -> str:
     return for_shape(a, shape_of(a.model))
 
 
-def for_shape(a: MemoryArgs, s: Shape) -> str:
-    """for_model's text for a Shape at hand (docs/recipes.md quotes it for Qwen2.5's shapes)."""
+def estimate_at(a: MemoryArgs, s: Shape) -> tuple[int, int, int, dict[str, float]]:
+    """The settings' estimate for a Shape: (rows per forward, tokens per row, compute bytes, each part's bytes)."""
     minibatch = a.num_prompts * a.num_generations // a.num_minibatches
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4
-    parts = estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank, per,
-                     a.entropy_bonus, chunk=a.logprob_chunk)
+    return rows, tokens, per, estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing,
+                                       a.lora_rank, per, a.entropy_bonus, chunk=a.logprob_chunk)
+
+
+def for_shape(a: MemoryArgs, s: Shape) -> str:
+    """for_model's text for a Shape at hand (docs/recipes.md quotes it for Qwen2.5's shapes)."""
+    rows, tokens, per, parts = estimate_at(a, s)
     setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
         (" + gradient checkpointing" if a.gradient_checkpointing else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "

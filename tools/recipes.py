@@ -77,10 +77,7 @@ def peak_gib(r: Recipe) -> float:
     from tools import memory
 
     args, cfg = resolved(r.argv)
-    a, s = memory_args(args, cfg), shape(args.model)
-    rows = a.num_prompts * a.num_generations // a.num_minibatches
-    return memory.total(memory.estimate(s, a.micro_batch_size or rows, a.prompt_tokens + a.max_new_tokens,
-                                        a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank)) / memory.GiB
+    return memory.total(memory.estimate_at(memory_args(args, cfg), shape(args.model))[3]) / memory.GiB
 
 
 def time_text(rs: list[Recipe]) -> str:

@@ -169,6 +169,21 @@ def repeats(run: dict, runs: list[dict]) -> bool:
     return bool(twin) and strip(run) == strip(twin[0])
 
 
+def geometric_band(ax, xs, log_ys: np.ndarray, st: dict) -> int:
+    """One arm's line: the geometric mean over seeds of log_ys (points, seeds), with its 95% t band in log space."""
+    n = log_ys.shape[1]
+    half = t_quantile(0.975, n - 1) * log_ys.std(1, ddof=1) / math.sqrt(n) if n > 1 else 0 * log_ys[:, 0]
+    ax.plot(xs, np.exp(log_ys.mean(1)), marker="o", ms=3, **st)
+    ax.fill_between(xs, np.exp(log_ys.mean(1) - half), np.exp(log_ys.mean(1) + half), color=st["color"], alpha=0.12)
+    return len(xs)
+
+
+def sqrt_line(ax, x: np.ndarray, name: str) -> None:
+    """The i.i.d. reading, std ∝ x^0.5, through the geometric mean of the lines already drawn."""
+    y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in ax.get_lines()]))
+    ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label=f"∝ {name}^0.5 (i.i.d.)")
+
+
 def figure_1(runs: list[dict], out: Path) -> dict:
     """Spread of Σ_t log ρ_t against length, per regime."""
     from matplotlib.ticker import NullFormatter
@@ -185,18 +200,11 @@ def figure_1(runs: list[dict], out: Path) -> dict:
                             for r in rs]
                 xs.append(np.mean([p[0] for p in per_seed]))
                 ys.append([p[1] for p in per_seed])
-            ys = np.array(ys)  # (quartiles, seeds), log std
-            half = (t_quantile(0.975, ys.shape[1] - 1) * ys.std(1, ddof=1) / math.sqrt(ys.shape[1])
-                    if ys.shape[1] > 1 else 0 * ys[:, 0])
-            st = style(rs)
-            ax.plot(xs, np.exp(ys.mean(1)), marker="o", ms=3, **st)
-            ax.fill_between(xs, np.exp(ys.mean(1) - half), np.exp(ys.mean(1) + half), color=st["color"], alpha=0.12)
-            points += len(xs)
+            points += geometric_band(ax, xs, np.array(ys), style(rs))  # (quartiles, seeds), log std
         lines = ax.get_lines()
         if lines:
-            x = np.geomspace(min(min(ln.get_xdata()) for ln in lines), max(max(ln.get_xdata()) for ln in lines), 20)
-            y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
-            ax.plot(x, y0 * (x / np.exp(np.log(x).mean())) ** 0.5, color="black", lw=1, label="∝ |y|^0.5 (i.i.d.)")
+            sqrt_line(ax, np.geomspace(min(min(ln.get_xdata()) for ln in lines),
+                                       max(max(ln.get_xdata()) for ln in lines), 20), "|y|")
         ax.set(xscale="log", yscale="log", title=f"{cell}: std over sequences of Σ_t log ρ_t" + (
                "\n(SmolLM2-135M-Instruct)" if cell == "smollm2long" else ""),
                xlabel="completion length |y| (tokens, quartile mean)")
@@ -217,17 +225,9 @@ def figure_1_within(runs: list[dict], out: Path) -> dict:
         ys = np.log(np.array([prefix_stds(r) for r in rs])).T  # (k, seeds)
         if not np.isfinite(ys).all():
             continue
-        half = (t_quantile(0.975, ys.shape[1] - 1) * ys.std(1, ddof=1) / math.sqrt(ys.shape[1])
-                if ys.shape[1] > 1 else 0 * ys[:, 0])
-        st = style(rs)
-        ax.plot(PREFIX_K, np.exp(ys.mean(1)), marker="o", ms=3, **st)
-        ax.fill_between(PREFIX_K, np.exp(ys.mean(1) - half), np.exp(ys.mean(1) + half), color=st["color"], alpha=0.12)
-        points += len(PREFIX_K)
-    lines = ax.get_lines()
-    if lines:
-        y0 = np.exp(np.mean([np.log(ln.get_ydata()).mean() for ln in lines]))
-        k = np.array(PREFIX_K, dtype=float)
-        ax.plot(k, y0 * (k / np.exp(np.log(k).mean())) ** 0.5, color="black", lw=1, label="∝ k^0.5 (i.i.d.)")
+        points += geometric_band(ax, PREFIX_K, ys, style(rs))
+    if ax.get_lines():
+        sqrt_line(ax, np.array(PREFIX_K, dtype=float), "k")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(PREFIX_K, [str(k) for k in PREFIX_K])
