@@ -150,7 +150,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
                              logits_processor=[recorder] if recorder else None,
-                             return_dict_in_generate=True)
+                             return_dict_in_generate=True, synced_gpus=False)
     completion = out.sequences[:, enc["input_ids"].shape[1]:]  # (B, T)
     mask, truncated = completion_mask(completion, stops)
     ro = Rollout(enc["input_ids"], enc["attention_mask"], completion, mask, truncated)

@@ -264,16 +264,13 @@ def validate(args, world_size: int = 1) -> None:
 
 
 def check_fsdp(args) -> None:
-    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA and dynamic sampling refused."""
+    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA refused."""
     if not ddp.launched():
         raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
                           "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
     if args.lora_rank > 0:
         raise ConfigError("--fsdp does not work with --lora-rank (LoRA's adapters are small: use data parallel, "
                           "without --fsdp)")
-    if args.dynamic_sampling:  # (seen: a gloo collective mismatch in DAPO's second step)
-        raise ConfigError("--fsdp does not work with dynamic sampling yet (DAPO's default): add --dynamic-sampling "
-                          "False, or use data parallel (without --fsdp)")
 
 
 def check_device(name: str) -> None:
