@@ -24,12 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from plumbing import ddp  # noqa: E402
 import losses  # noqa: E402
+import model as models  # noqa: E402
 import train  # noqa: E402
 from plumbing import run as runs  # noqa: E402
 
-CASES = {  # name: (algo, β, micro-batch size, epochs)
-    "gspo": ("gspo", 0.0, 0, 2),  # the default objective, sequence level; the second epoch moves the ratios
-    "grpo-beta-micro": ("grpo", 0.04, 2, 2),  # token level, a sharded reference, micro-batches, a second step
+CASES = {  # name: (algo, β, micro-batch size, epochs, --gradient-checkpointing, --logprob-chunk)
+    "gspo": ("gspo", 0.0, 0, 2, False, 0),  # the default objective, sequence level; the second epoch moves the ratios
+    "grpo-beta-micro": ("grpo", 0.04, 2, 2, False, 0),  # token level, a sharded reference, micro-batches, a 2nd step
+    "dapo-checkpointed-chunked": ("dapo", 0.0, 2, 1, True, 16),  # the memory options: activation checkpointing and
+    # log-probs in chunks of 16 positions (the decoder and the head called apart: FSDP's root hook is not run)
 }
 
 
@@ -39,6 +42,8 @@ def local_bytes(tensors) -> int:
 
 def one_update(policy, batch, adv, cfg, args, world, fsdp: bool) -> dict:
     policy = policy.to(torch.float64).train()
+    if args.gradient_checkpointing:
+        models.enable_checkpointing(policy)
     ref = None if cfg.beta == 0 else copy.deepcopy(policy).eval().requires_grad_(False)
     if fsdp:
         world.wrap(policy, fsdp=True)
@@ -54,16 +59,18 @@ def one_update(policy, batch, adv, cfg, args, world, fsdp: bool) -> dict:
             "gradients": local_bytes(p.grad for p in policy.parameters() if p.grad is not None),
             "AdamW state": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}
     world.sharded = None
-    return {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "weights": weights, "held": held}
+    return {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "weights": weights, "held": held,
+            "checkpointing": models.is_checkpointing(policy)}
 
 
 def main(model_dir: str, out: str) -> None:
     world = ddp.setup("cpu")
     results = {}
-    for case, (algo, beta, micro, epochs) in CASES.items():
+    for case, (algo, beta, micro, epochs, checkpointing, chunk) in CASES.items():
         args, cfg = runs.resolve(train.Args(model=model_dir, algo=algo, beta=beta, num_prompts=8, num_generations=4,
                                              num_minibatches=1, num_epochs=epochs, micro_batch_size=micro,
-                                             old_logprobs="recompute"))
+                                             old_logprobs="recompute", logprob_chunk=chunk,
+                                             gradient_checkpointing=checkpointing, dynamic_sampling=False))
         policy, tokenizer = runs.load_policy(args)
         torch.manual_seed(1)  # the same rollout on every rank
         batch = train.sample_groups(policy.eval(), tokenizer, runs.load_data(args)[0][:args.num_prompts], args)
@@ -80,6 +87,7 @@ def main(model_dir: str, out: str) -> None:
             moved = max(float((v - policy.state_dict()[k].double()).abs().max()) for k, v in one["weights"].items())
             results[case] = {"loss": [sharded["loss"], one["loss"]], "grad_norm": [sharded["grad_norm"], one["grad_norm"]],
                              "max_weight_diff": diff, "max_weight_change": moved,
+                             "checkpointing": [sharded["checkpointing"], one["checkpointing"]],
                              "held_per_rank": {k: [sharded["held"][k], one["held"][k]] for k in one["held"]}}
     if world.main:
         Path(out).write_text(json.dumps(results, indent=1))
