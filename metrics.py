@@ -1,8 +1,8 @@
 """What a step logs, in one place: the rollout's metrics (rewards, correctness, lengths), the update's (the card's
-ratio variance and clip fractions, losses.ratio_diagnostics, over every row the update scored), and the study's
-instrumentation beside them (what every paper preset would clip on the same batch, SAPO's gate, the ratio spread
-by response length, the sampler-trainer mismatch). Everything here reads what the step already computed and
-changes nothing that is learned. `world` is plumbing.ddp's World: a logged statistic is that of the whole rollout,
+ratio variance and clip fractions, losses.ratio_diagnostics, over every row the update scored; the sampler-trainer
+mismatch where pi_old is recomputed), and the study's instrumentation beside them, with --log-study-metrics (what
+every paper preset would clip on the same batch, SAPO's gate, the ratio spread by response length, the length gap of
+wrong answers). Everything here reads what the step already computed and changes nothing that is learned. `world` is plumbing.ddp's World: a logged statistic is that of the whole rollout,
 every rank's rows.
 """
 
@@ -22,10 +22,10 @@ from losses import PRESETS, clip_fraction_of, masked_mean, masked_seq_mean, sapo
 
 
 def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tensor, drawn: int, dropped: int, world,
-                    mask_truncated: bool = False) -> dict:
+                    mask_truncated: bool = False, study: bool = False) -> dict:
     """Rewards, lengths and advantages of the whole rollout (every rank's rows; adv: (B,), already every rank's),
     and the correctness of every group drawn (drawn_correct: (groups, G), this rank's; with dynamic sampling, also
-    the groups it dropped)."""
+    the groups it dropped); with `study` (--log-study-metrics) the study's length gap (length_gap)."""
     correct_drawn = torch.cat(world.gather_rows(drawn_correct))  # (groups drawn, G) over all ranks
     scores = {k: [v for part in world.gather(batch.scores) for v in part[k]] for k in batch.scores}
     lengths, truncated = world.gather_rows(batch.ro.lengths.float(), batch.ro.truncated.float())
@@ -53,27 +53,20 @@ def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tenso
         m["charts/len_correct"] = float(lengths[correct].mean())
     if (~correct).any():
         m["charts/len_incorrect"] = float(lengths[~correct].mean())
-    # the same, free of which prompts are wrong: in each group with both kinds, mean incorrect over mean correct
-    # length, averaged over those groups (> 1: wrong answers run longer than right ones to the same prompt)
-    by_group, right = lengths.view(-1, g), correct.view(-1, g).float()
-    mixed = (right.sum(1) > 0) & (right.sum(1) < g)
-    if mixed.any():
-        wrong = 1 - right
-        mean_wrong = (by_group * wrong).sum(1) / wrong.sum(1).clamp(min=1)  # (groups,)
-        mean_right = (by_group * right).sum(1) / right.sum(1).clamp(min=1)  # (groups,)
-        rel = mean_wrong / mean_right.clamp(min=1)
-        m["charts/len_incorrect_rel"] = float(rel[mixed].mean())
+    if study:
+        m.update(length_gap(lengths, correct, g))
     return m
 
 
 def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tensor, mask: torch.Tensor,
                    cfg: losses.LossConfig, world, mu: torch.Tensor | None = None,
-                   correction: tuple | None = None) -> dict:
+                   correction: tuple | None = None, study: bool = False) -> dict:
     """The GSPO paper's diagnostics over every row scored during the update (on every rank), each against pi_old:
     the statistics of the ratios the objective actually saw. `seen`: (rows, log-probs, entropy or None) per
     micro-batch; old_logp None means on-policy (the ratio is 1; the entropy is the one scored during the update),
     else old_entropy is pi_old's over the whole rollout. With `mu` (the sampler's log-probs, where pi_old is
-    recomputed) also the train-inference mismatch, and with `correction` what --rollout-correction did."""
+    recomputed) also the train-inference mismatch, with `correction` what --rollout-correction did, and with `study`
+    (--log-study-metrics) the study's instrumentation."""
     on_policy = old_logp is None
     rows = torch.cat([r for r, _, _ in seen])
     new = torch.cat([lp for _, lp, _ in seen])  # (n, T)
@@ -83,7 +76,8 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
     new, old_all, adv_seen, mask_seen, entropy_seen, kl, mu_seen = world.gather_rows(
         new, old_all, adv[rows], mask[rows], entropy_seen, kl, None if mu is None else mu[rows])
     diag = losses.ratio_diagnostics(new, old_all, adv_seen, mask_seen, cfg)  # the card's: ratio variance, clipping
-    diag.update(study_metrics(new, old_all, adv_seen, mask_seen))  # the study's instrumentation
+    if study:
+        diag.update(study_metrics(new, old_all, adv_seen, mask_seen))
     metrics = {
         "losses/entropy": losses.masked_mean(entropy_seen, mask_seen) if on_policy
         else losses.masked_mean(*world.gather_rows(old_entropy, mask)),  # pi_old's, over the whole rollout
@@ -149,6 +143,20 @@ def study_metrics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     for q, bucket in enumerate(length_bucket_stats(logp, old_logp, mask), 1):
         out.update({f"lenbucket/q{q}_{k}": v for k, v in bucket.items()})
     return out
+
+
+def length_gap(lengths: Tensor, correct: Tensor, g: int) -> dict[str, float]:
+    """charts/len_incorrect_rel: Dr.GRPO's length bias free of which prompts are wrong. In each group with both
+    kinds, mean incorrect over mean correct length, averaged over those groups (> 1: wrong answers run longer than
+    right ones to the same prompt); absent when no group has both. lengths, correct: (B,) in groups of g rows."""
+    by_group, right = lengths.view(-1, g), correct.view(-1, g).float()
+    mixed = (right.sum(1) > 0) & (right.sum(1) < g)
+    if not mixed.any():
+        return {}
+    wrong = 1 - right
+    mean_wrong = (by_group * wrong).sum(1) / wrong.sum(1).clamp(min=1)  # (groups,)
+    mean_right = (by_group * right).sum(1) / right.sum(1).clamp(min=1)  # (groups,)
+    return {"charts/len_incorrect_rel": float((mean_wrong / mean_right.clamp(min=1))[mixed].mean())}
 
 
 MISMATCH_TOKEN = 0.2  # |log pi_old - log mu| beyond GRPO's clip range, roughly (log 1.2 = 0.18, -log 0.8 = 0.22)

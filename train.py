@@ -305,8 +305,8 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
             if entropy_control:  # ALGO: Skywork-OR1's controller moves the coefficient after every optimizer step
                 entropy_control.after_step(step.seen, mask, cfg.top_entropy_quantile, world.sum)
     on_policy = source == "on-policy"
-    diag = metrics.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy,
-                               ref_logp, adv, mask, cfg, world, mu, correction)  # PLUMBING: for the logs
+    diag = metrics.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy, ref_logp,
+                                  adv, mask, cfg, world, mu, correction, args.log_study_metrics)  # PLUMBING: the logs
     if args.log_prefix_spread and not on_policy:  # the study's: every row once more, under the updated policy
         after = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, chunk=args.logprob_chunk),
                            everything, mb_size, args.micro_batch_size, world)
@@ -353,7 +353,7 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     t2 = time.time()
     # PLUMBING: metrics for the logs, over every rank's rows
     logged.update(metrics.rollout_metrics(batch, adv_all, args.num_generations, drawn_correct, drawn,
-                                        drawn - args.num_prompts, world, args.mask_truncated))
+                                        drawn - args.num_prompts, world, args.mask_truncated, args.log_study_metrics))
     logged.update(metrics.timing(batch, t1 - t0, t2 - t1, scheduler.get_last_lr()[0], world))
     return batch, logged
 
@@ -380,7 +380,8 @@ def train(args: Args) -> dict:
     stop, logged, run.started = lifecycle.GracefulStop(), run.before, time.time()
     resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
     failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler, world.size)
-    watch = lifecycle.Watch(args, run.train_set[0].answer)  # non-finite streaks stop the run; others warn once
+    watch = lifecycle.Watch(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs, args.answer_format,
+                            args.max_new_tokens, run.train_set[0].answer)  # non-finite streaks stop the run
     try:
         for step in range(run.first_step, args.total_steps + 1):
             # ALGO: one RL step

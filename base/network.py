@@ -50,22 +50,12 @@ def wandb_mode(requested: str | None) -> str:
     return "online" if wandb_has_login() else "offline"
 
 
-class NoWandb:
-    """--wandb-mode disabled: the run's logger without wandb (not even imported: seconds at start-up)."""
-    id = None
-
-    def log(self, *args, **kwargs) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
 def wandb_init(**kwargs):
     """wandb.init that cannot hang or prompt: online falls back to offline, with one warning line, when the server
-    does not answer within seconds or refuses the login. Disabled: no wandb at all."""
+    does not answer within seconds or refuses the login. Disabled: None, and no wandb at all (not even imported:
+    seconds at start-up)."""
     if kwargs["mode"] == "disabled":
-        return NoWandb()
+        return None
     import wandb
 
     settings = wandb.Settings(console="off", silent=True, init_timeout=30)

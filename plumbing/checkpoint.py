@@ -30,7 +30,7 @@ from plumbing import ddp
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
             "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples",
-            "merge_lora", "gradient_checkpointing"}
+            "merge_lora", "gradient_checkpointing", "log_study_metrics"}
 
 
 class CheckpointError(UserError, ValueError):

@@ -307,62 +307,32 @@ class StepFailures:
                               f"{self.hint} and a smaller --eval-size (or --eval-samples)") from None
 
 
-class NonFiniteStreak:
-    """Stops a run after `limit` steps in a row in which every update was skipped as non-finite."""
-
-    def __init__(self, limit: int, updates_per_step: int):
-        self.limit, self.per_step, self.streak = limit, updates_per_step, 0
-
-    def check(self, step: int, skipped: int) -> None:
-        self.streak = self.streak + 1 if skipped == self.per_step else 0
-        if self.streak >= self.limit:
-            raise NonFiniteError(
-                f"{self.streak} steps in a row had only non-finite losses or gradients (last finite step: "
-                f"{step - self.streak}); a resume would repeat them. Lower --lr or check the reward weights, then "
-                "start again with --overwrite (or another --run-name)")
-
-
-class NothingCorrect:
-    """One warning when no sampled completion of the first `steps` steps was scored correct: the answer format and
-    the references may not fit each other (a silent reward of 0 for the whole run)."""
-
-    def __init__(self, answer_format: str, reference: str, steps: int = 5):
-        self.format, self.reference, self.steps, self.seen, self.any = answer_format, reference, steps, 0, False
-
-    def check(self, accuracy: float) -> None:
-        self.seen += 1
-        self.any = self.any or accuracy > 0
-        if self.seen == self.steps and not self.any:
-            print(f"warning: no completion of the first {self.steps} steps was scored correct. Check that "
-                  f"--answer-format {self.format} finds answers the references can equal (e.g. reference "
-                  f"{self.reference[:40]!r}), or whether the model can answer at all", flush=True)
-
-
-class TruncatedStreak:
-    """One warning when more than half of each rollout's completions hit --max-new-tokens for `steps` steps in a
-    row: answers are being cut off (chains of thought need room), and the reward sees none of them finish."""
-
-    def __init__(self, max_new_tokens: int, steps: int = 3):
-        self.max_new_tokens, self.steps, self.streak, self.warned = max_new_tokens, steps, 0, False
-
-    def check(self, truncated_frac: float) -> None:
-        self.streak = self.streak + 1 if truncated_frac > 0.5 else 0
-        if self.streak >= self.steps and not self.warned:
-            self.warned = True
-            print(f"warning: more than half of the completions hit --max-new-tokens {self.max_new_tokens} in each of "
-                  f"the last {self.steps} steps (truncated: no answer, and DAPO's overlong penalty); raise "
-                  "--max-new-tokens", flush=True)
-
-
 class Watch:
-    """The checks after every step: NonFiniteStreak (stops the run), NothingCorrect and TruncatedStreak (warn once)."""
+    """The checks after every step. `limit` steps in a row whose every update was skipped as non-finite stop the run
+    (a resume would repeat them); two warnings, once each: no sampled completion of the first 5 steps was scored
+    correct (the answer format and the references may not fit each other: a silent reward of 0), and more than half
+    of each rollout's completions hit max_new_tokens for 3 steps in a row (answers cut off, none seen to finish)."""
 
-    def __init__(self, args, first_reference: str):
-        self.nonfinite = NonFiniteStreak(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs)
-        self.nothing_correct = NothingCorrect(args.answer_format, first_reference)
-        self.truncated = TruncatedStreak(args.max_new_tokens)
+    def __init__(self, limit: int, updates_per_step: int, answer_format: str, max_new_tokens: int, reference: str):
+        self.limit, self.updates, self.format, self.max_new_tokens = limit, updates_per_step, answer_format, max_new_tokens
+        self.reference, self.steps, self.nonfinite, self.truncated = reference, 0, 0, 0
+        self.any_correct = self.warned_truncated = False
 
-    def check(self, step: int, metrics: dict) -> None:
-        self.nonfinite.check(step, metrics["losses/skipped_updates"])
-        self.nothing_correct.check(metrics["charts/accuracy"])
-        self.truncated.check(metrics["charts/truncated_frac"])
+    def check(self, step: int, m: dict) -> None:
+        self.nonfinite = self.nonfinite + 1 if m["losses/skipped_updates"] == self.updates else 0
+        if self.nonfinite >= self.limit:
+            raise NonFiniteError(
+                f"{self.nonfinite} steps in a row had only non-finite losses or gradients (last finite step: "
+                f"{step - self.nonfinite}); a resume would repeat them. Lower --lr or check the reward weights, then "
+                "start again with --overwrite (or another --run-name)")
+        self.steps, self.any_correct = self.steps + 1, self.any_correct or m["charts/accuracy"] > 0
+        if self.steps == 5 and not self.any_correct:
+            print(f"warning: no completion of the first 5 steps was scored correct. Check that --answer-format "
+                  f"{self.format} finds answers the references can equal (e.g. reference {self.reference[:40]!r}), or "
+                  "whether the model can answer at all", flush=True)
+        self.truncated = self.truncated + 1 if m["charts/truncated_frac"] > 0.5 else 0
+        if self.truncated >= 3 and not self.warned_truncated:
+            self.warned_truncated = True
+            print(f"warning: more than half of the completions hit --max-new-tokens {self.max_new_tokens} in each of "
+                  "the last 3 steps (truncated: no answer, and DAPO's overlong penalty); raise --max-new-tokens",
+                  flush=True)

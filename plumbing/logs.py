@@ -34,11 +34,13 @@ class Logger:
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
-        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.run is not None:  # None: --wandb-mode disabled
+            self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def finish(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.run is not None:
             self.run.finish()
 
 

@@ -229,7 +229,7 @@ class Run:
                 "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
                 "optimizer": optim or self.optimizer.state_dict(), "sharded": weights is not None,
                 "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
-                "wandb_id": self.logger.run.id, "before": self.before, "minutes": self.minutes(),
+                "wandb_id": getattr(self.logger.run, "id", None), "before": self.before, "minutes": self.minutes(),
                 "entropy_control": None if self.entropy_control is None else vars(self.entropy_control),
             }, self.args.keep_checkpoints, weights)
         self.world.barrier()

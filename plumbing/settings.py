@@ -96,6 +96,10 @@ class Logging:
     """W&B tags of the run (sweeps add 'sweep' and the algo)"""
     save_model: bool = True
     """save the final policy with save_pretrained"""
+    log_study_metrics: bool = False
+    """the study's instrumentation every update: what each preset would clip on the same batch (clip/shadow_<algo>),
+    SAPO's gate (clip/sapo_gate_mean), the ratio spread by response-length quartile (lenbucket/) and the length gap
+    of wrong answers (charts/len_incorrect_rel); tools.sweep and tools.study turn it on (nothing learned changes)"""
     log_prefix_spread: bool = False
     """the study's instrumentation: after each step's update, score the rollout once more under the updated policy
     and log the spread of the prefix sums of log rho_t (metrics.prefix_spread; one forward pass, nothing learned

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from base import errors
 from plumbing import lifecycle
 from base import network
+import metrics
 import rewards
 import rollout
 import train
@@ -49,11 +50,19 @@ def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_poli
             assert m[key] is not None and math.isfinite(m[key]), key
         assert all(v is None or math.isfinite(v) for k, v in m.items() if isinstance(v, float))
         assert m["losses/skipped_updates"] == 0
-        if "charts/len_incorrect_rel" in m:  # some group had right and wrong answers
-            assert m["charts/len_incorrect_rel"] > 0
     assert (metrics[-1].get("losses/kl_ref") is not None) == (algo == "grpo")
     if algo == "dapo":
         assert metrics[-1]["dynamic/drawn"] >= 4
+
+
+def test_length_gap_compares_wrong_and_right_answers_within_each_mixed_group():
+    """charts/len_incorrect_rel (--log-study-metrics): per group with both kinds, mean wrong over mean right length,
+    averaged over those groups; groups all right or all wrong say nothing."""
+    lengths = torch.tensor([10.0, 30.0, 20.0, 5.0, 5.0, 5.0, 8.0, 8.0, 2.0])  # 3 groups of 3
+    correct = torch.tensor([True, False, False, True, True, True, True, False, True])
+    gap = metrics.length_gap(lengths, correct, 3)  # groups 1 and 3: (25 / 10 + 8 / 5) / 2
+    assert gap == {"charts/len_incorrect_rel": pytest.approx((25 / 10 + 8 / 5) / 2)}
+    assert metrics.length_gap(lengths[3:6], correct[3:6], 3) == {}
 
 
 def test_same_seed_same_metrics(tmp_path, tiny_policy_dir):
@@ -192,7 +201,7 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.delenv("WANDB_MODE", raising=False)
     assert network.wandb_mode(None) == "offline"
-    run(tmp_path, tiny_policy_dir, algo="gspo", wandb_mode=None, save_model=False)
+    run(tmp_path, tiny_policy_dir, algo="gspo", wandb_mode=None, save_model=False, log_study_metrics=True)
     files = glob.glob(str(tmp_path / "gspo-s0" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
     rows = [r for r in read_wandb_history(Path(files[0])) if r.get("_step", 0) > 0]
@@ -202,17 +211,24 @@ def test_offline_wandb_run_has_ratio_variance_and_clip_fraction(tmp_path, tiny_p
         assert all(isinstance(r[key], (int, float)) for r in rows), key
 
 
-def test_eval_samples_logs_pass_at_k_and_leaves_training_unchanged(tmp_path, tiny_policy_dir):
+def test_eval_samples_and_study_metrics_log_more_and_leave_training_unchanged(tmp_path, tiny_policy_dir):
+    """--eval-samples (pass@k) and --log-study-metrics (shadow clip fractions, length buckets) add keys to the log and
+    change nothing else."""
     _, plain, _ = run(tmp_path / "a", tiny_policy_dir, algo="gspo", save_model=False)
-    _, sampled, _ = run(tmp_path / "b", tiny_policy_dir, algo="gspo", save_model=False, eval_samples=4)
-    evals = [m for m in sampled if "eval/accuracy" in m]
+    _, more, _ = run(tmp_path / "b", tiny_policy_dir, algo="gspo", save_model=False, eval_samples=4,
+                     log_study_metrics=True)
+    evals = [m for m in more if "eval/accuracy" in m]
     assert len(evals) == 2  # before training and at the last step
     for m in evals:
         assert 0.0 <= m["eval/pass@1"] <= m["eval/pass@4"] <= 1.0
         assert "eval/pass@1" not in plain[0]
+    study = ("clip/shadow_", "clip/sapo_gate_mean", "lenbucket/", "charts/len_incorrect_rel")
+    assert all(any(k.startswith(study) for k in m) == (m["step"] > 0) for m in more)
+    assert not any(k.startswith(study) for m in plain for k in m)
     # the samples come from their own random stream: the training run is the same run with or without them
-    keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "eval/pass"))} for m in ms]  # noqa
-    assert keep(plain) == keep(sampled)
+    keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "eval/pass", *study))}  # noqa: E731
+                       for m in ms]
+    assert keep(plain) == keep(more)
 
 
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,

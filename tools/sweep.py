@@ -146,7 +146,7 @@ def launch(flags: dict, name: str, train_args: list[str], runs_dir: Path, thread
         return flags["run_name"], 0.0, -2  # stopped by train.py with an error: a result, and it would stop again
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run restarts from scratch
     cmd = [sys.executable, "train.py", "--output-dir", str(runs_dir), "--wandb-group", name,
-           "--wandb-tags", "sweep", flags["algo"], "--no-save-model", *train_args]
+           "--wandb-tags", "sweep", flags["algo"], "--no-save-model", "--log-study-metrics", *train_args]
     for k, v in flags.items():  # a True value is a switch (--log-prefix-spread), anything else a value
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
