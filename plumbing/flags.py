@@ -264,10 +264,15 @@ def validate(args, world_size: int = 1) -> None:
 
 
 def check_fsdp(args) -> None:
-    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune; LoRA refused."""
+    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune, a torch with FSDP2; LoRA refused."""
     if not ddp.launched():
         raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
                           "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  FSDP2, public from torch 2.6
+    except ImportError:
+        raise ConfigError(f"--fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 or later); this is "
+                          f"torch {torch.__version__}: upgrade torch, or drop --fsdp (data parallel)") from None
     if args.lora_rank > 0:
         raise ConfigError("--fsdp does not work with --lora-rank (LoRA's adapters are small: use data parallel, "
                           "without --fsdp)")

@@ -649,3 +649,15 @@ def test_every_entry_point_answers_a_bad_argument_in_one_line(tmp_path, capsys, 
         walked.add(module)
     assert walked == {"tools.memory", "tools.bench", "tools.sweep", "tools.study", "tools.step_lines",
                       "tools.recipes", "plumbing.checkpoint"}
+
+
+def test_fsdp_on_a_torch_without_fsdp2_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    """--fsdp under torchrun on a torch without FSDP2's fully_shard (before 2.6): refused before anything loads."""
+    import torch.distributed.fsdp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it (no process group is joined before the checks)
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--fsdp"] + SMALL, capsys, out,
+            "--fsdp needs FSDP2")
+    assert not out.exists()

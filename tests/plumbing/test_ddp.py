@@ -177,10 +177,11 @@ def test_peer_failures_are_told_apart_from_bugs(monkeypatch):
     assert errors.first_line(gloo) == "Connection closed by peer [127.0.0.1]:1"
 
 
-def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir):
+@pytest.mark.parametrize("sharded", [[], ["--fsdp"]], ids=["data-parallel", "fsdp"])
+def test_a_rank_that_dies_stops_the_job_without_a_hang(tmp_path, tiny_policy_dir, sharded):
     """SIGKILL one rank mid-run (a crashed process, an OOM kill): the other leaves its collective with one line and
-    torchrun ends the job, within seconds, not at the process group's 30-minute timeout."""
-    argv = ["--model", str(tiny_policy_dir), "--total-steps", "100000", "--output-dir", str(tmp_path)] + SMALL
+    torchrun ends the job, within seconds, not at the process group's 30-minute timeout; data parallel or sharded."""
+    argv = ["--model", str(tiny_policy_dir), "--total-steps", "100000", "--output-dir", str(tmp_path)] + SMALL + sharded
     job = torchrun(2, "train.py", argv)
     log, deadline = tmp_path / "gspo-np2-s0" / "metrics.jsonl", time.time() + 120
     while not (log.is_file() and len(log.read_text().splitlines()) >= 3) and time.time() < deadline:

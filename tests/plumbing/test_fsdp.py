@@ -4,8 +4,10 @@ ordinary model, and what does not work yet is refused in one line."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,22 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     resumed = metrics_without_timing(tmp_path / "a" / "c")
     uninterrupted = [r for r in metrics_without_timing(a) if r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4] and resumed == uninterrupted
+
+    # SIGTERM to torchrun (a scheduler's preemption) reaches both ranks: they stop after the same step, rank 0 saves
+    # one checkpoint of it, and a resume under the same command logs the uninterrupted run's later steps
+    job = torchrun(2, "train.py", base + ["--total-steps", "1000", "--output-dir", str(tmp_path / "sig")])
+    log, deadline = tmp_path / "sig" / "gspo-np2-s0" / "metrics.jsonl", time.time() + 120
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.05)  # step 1 logged: the run is inside its steps
+    job.send_signal(signal.SIGTERM)
+    _, out, err = finish(job)
+    assert "stopped by SIGTERM" in out, (out[-2000:], err[-2000:])
+    (stopped,) = checkpoint.all_checkpoints(tmp_path / "sig" / "gspo-np2-s0" / "checkpoints")
+    k = checkpoint.load_state(stopped)["step"]
+    print(f"SIGTERM: both ranks stopped after step {k}")
+    assert 1 <= k < 4, k  # (it ran on, past the reference's 4 steps, only on a machine far slower than this)
+    run(2, "--total-steps", "4", "--resume", "auto", "--output-dir", str(tmp_path / "sig"))
+    assert metrics_without_timing(tmp_path / "sig" / "gspo-np2-s0") == metrics_without_timing(a)
 
     def reshard(n, path):
         out = tmp_path / f"reshard-{n}-{path.parent.parent.name}.json"
