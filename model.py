@@ -131,6 +131,22 @@ def resident_bytes(params: float, linear: float, compute_bytes: int, lora_params
             "reference": (params - linear) * 4 + linear * compute_bytes if reference else 0.0}
 
 
+SPLIT_BY_FSDP = ("weights", "gradients", "AdamW moments", "reference")  # what --fsdp splits over its processes
+
+
+def sharded_resident(parts: dict[str, float], n: int, params: float) -> dict[str, float]:
+    """resident_bytes' parts per card under --fsdp over n processes (plumbing/ddp.py): the fp32 weights, gradients,
+    AdamW moments and the reference split n ways; autocast's copies not (each layer's copy is made from its gathered
+    weights and kept for its backward); and the whole fp32 model, gathered on every card for generation."""
+    return {**{k: v / n if k in SPLIT_BY_FSDP else v for k, v in parts.items()}, "gathered for generation": params * 4}
+
+
+def generation_bytes(parts: dict[str, float]) -> float:
+    """What a card holds while it samples under --fsdp: the gathered model beside the shards of the weights, AdamW
+    moments and reference (the gradients are freed, no autocast copy is made)."""
+    return parts["gathered for generation"] + sum(parts.get(k, 0.0) for k in ("weights", "AdamW moments", "reference"))
+
+
 def parameter_counts(name: str) -> tuple[int, int] | None:
     """(all parameters, those of linear layers not tied to the embeddings) of a hub id, model folder or .gguf file,
     from its config alone: the model is built on the meta device, no weight is read. None where the config cannot be
@@ -159,21 +175,28 @@ def free_memory(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, reference: bool) -> None:
-    """Before anything is loaded: a full fine-tune whose resident state (resident_bytes) is larger than the device's
-    free memory would fail at its first optimizer step, after the rollout and a checkpoint, whatever the batch."""
+def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, reference: bool,
+                           shards: int = 1) -> None:
+    """Before anything is loaded: a full fine-tune whose resident state (resident_bytes; per card under --fsdp over
+    `shards` processes, the larger of the update's and generation's) is larger than the device's free memory would
+    fail at its first optimizer step, after the rollout and a checkpoint, whatever the batch."""
     free = free_memory(device)
     counts = None if free is None or name == "embedded" else parameter_counts(name)
     if counts is None:
         return
     parts = resident_bytes(*counts, compute_bytes=torch.finfo(dtype).bits // 8, reference=reference)
-    need = sum(parts.values())
+    need, where = sum(parts.values()), "on the device"
+    if shards > 1:
+        parts = sharded_resident(parts, shards, counts[0])
+        need = max(sum(v for k, v in parts.items() if k != "gathered for generation"), generation_bytes(parts))
+        where = f"per card under --fsdp over {shards} processes"
     if need > free:
         detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v)
         raise ModelError(f"a full fine-tune of {name} ({counts[0] / 1e9:.2f}B parameters) keeps {need / GiB:.1f} GiB "
-                         f"on the device before any activation ({detail} GiB), and {device} has {free / GiB:.1f} GiB "
+                         f"{where} before any activation ({detail} GiB), and {device} has {free / GiB:.1f} GiB "
                          "free: train LoRA adapters instead (--lora-rank 16, with --gradient-checkpointing for long "
-                         "completions), take a smaller model, or a device with more memory")
+                         "completions), take a smaller model, shard it over more devices (--fsdp under torchrun), "
+                         "or a device with more memory")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -253,7 +253,8 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
             if not args.lora_rank:  # a full fine-tune whose weights and AdamW state cannot fit: refused before loading
                 device = models.pick_device(args.device)
-                models.refuse_what_cannot_fit(args.model, device, models.pick_dtype(device, args.dtype), cfg.beta > 0)
+                models.refuse_what_cannot_fit(args.model, device, models.pick_dtype(device, args.dtype), cfg.beta > 0,
+                                              world.size if args.fsdp else 1)
             policy, tokenizer = load_policy(args, resume_from / "model" if state and not args.lora_rank else None)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,

@@ -191,16 +191,15 @@ LARGE = [QWEN[1], QWEN[2], Shape("Qwen2.5-7B", 7.62e9, 28, 3584, 18944, 512, 152
 
 
 def sharded(e: dict[str, float], n: int, params: float) -> dict[str, float]:
-    """Per card under --fsdp over n processes (plumbing/ddp.py): the fp32 weights, gradients, AdamW moments and the
-    reference are split n ways; autocast's bf16 copies are not (each layer's copy is made from its gathered weights
-    and kept for its backward); and generation gathers the whole fp32 model once per rollout."""
-    split = {k: v / n if k in ("weights", "gradients", "AdamW moments", "reference") else v for k, v in e.items()}
-    return {**split, "gathered for generation": params * 4, "optimizer step": split.get("optimizer step", 0.0) / n}
+    """Per card under --fsdp over n processes: model.sharded_resident's split (the fp32 weights, gradients, AdamW
+    moments and reference n ways; autocast's copies whole; the whole fp32 model gathered for generation), and the
+    optimizer step's temporaries, which follow the shards."""
+    return {**models.sharded_resident(e, n, params), "optimizer step": e.get("optimizer step", 0.0) / n}
 
 
 def sharded_total(e: dict[str, float]) -> float:
-    """The largest phase per card: the update's, or generation's (the gathered model beside the shards' state)."""
-    return max(total(e), e["gathered for generation"] + e["weights"] + e["AdamW moments"] + e.get("reference", 0.0))
+    """The largest phase per card: the update's, or generation's (model.generation_bytes)."""
+    return max(total(e), models.generation_bytes(e))
 
 
 def fsdp_table(n: int, minibatch: int = 32, prompt: int = 150, completion: int = 256) -> str:

@@ -123,6 +123,26 @@ def test_a_full_fine_tune_that_cannot_fit_is_refused_before_loading(tmp_path, ca
         train.main(argv)
 
 
+def test_under_fsdp_the_refusal_counts_one_card_s_share(monkeypatch):
+    """--fsdp over N processes: the fp32 weights, gradients, AdamW moments and reference are split N ways, autocast's
+    bf16 copies are not, and generation gathers the whole fp32 model beside the weights' and moments' shards. A
+    7.6B model (bf16, β 0) over 4 cards keeps max(16P/4 + 2P, 4P + 12P/4) = 7P per card, not one card's 18P."""
+    import model as models
+
+    params = 7.62e9
+    monkeypatch.setattr(models, "parameter_counts", lambda name: (params, 6.5e9))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(models, "free_memory", lambda device: 7 * params)
+    models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False, shards=4)  # fits: not refused
+    with pytest.raises(models.ModelError, match=f"keeps {18 * params / 2**30:.1f} GiB on the device"):
+        models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False)  # one card: refused
+    monkeypatch.setattr(models, "free_memory", lambda device: 7 * params - 1)
+    with pytest.raises(models.ModelError, match=f"keeps {7 * params / 2**30:.1f} GiB per card under --fsdp over 4 "
+                                                "processes") as refused:
+        models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False, shards=4)
+    assert "gathered for generation 28.4" in str(refused.value) and "--fsdp" in str(refused.value)
+
+
 def test_parameter_counts_are_read_from_the_config_alone(tmp_path):
     """A Qwen2-shaped model (q/k/v biases, tied embeddings) and a Llama-shaped one with its own head."""
     import model as models
