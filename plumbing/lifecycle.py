@@ -210,7 +210,7 @@ def optimizer_memory(policy, device: torch.device):
             raise
         free_cached_memory()
         gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-        params = list(policy.parameters())
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters()]  # --fsdp: this card's
         trained = sum(p.numel() for p in params if p.requires_grad)
         weights = sum(p.numel() * p.element_size() for p in params)
         total = f" ({gib(torch.cuda.mem_get_info(device)[1])})" if device.type == "cuda" else ""
@@ -218,7 +218,7 @@ def optimizer_memory(policy, device: torch.device):
             f"the weights ({gib(weights)}), their fp32 gradients ({gib(4 * trained)}) and AdamW's two moments "
             f"({gib(8 * trained)} for {trained / 1e6:.1f}M trained parameters) do not fit on {device}{total} beside "
             "the rest; fewer rows per forward do not help. Train LoRA adapters instead (--lora-rank 16), take a "
-            "smaller model, or a device with more memory") from None
+            "smaller model, shard it over more devices (--fsdp under torchrun), or a device with more memory") from None
 
 
 AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> micro-batch size that fits
