@@ -2,8 +2,8 @@
 ratio variance and clip fractions, losses.ratio_diagnostics, over every row the update scored; the sampler-trainer
 mismatch where pi_old is recomputed), and the study's instrumentation beside them, with --log-study-metrics (what
 every paper preset would clip on the same batch, SAPO's gate, the ratio spread by response length, the length gap of
-wrong answers). Everything here reads what the step already computed and changes nothing that is learned. `world` is plumbing.ddp's World: a logged statistic is that of the whole rollout,
-every rank's rows.
+wrong answers). Everything here reads what the step already computed and changes nothing that is learned. `world` is
+plumbing.ddp's World: a logged statistic is that of the whole rollout, every rank's rows.
 """
 
 from __future__ import annotations
