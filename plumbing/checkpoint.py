@@ -1,12 +1,16 @@
 """Checkpoints: atomic saves, the last K kept, and what an exact resume needs.
 
 A checkpoint is a folder <run>/checkpoints/step-NNNNNN/ holding
-    model/      the policy (or, under LoRA, its adapter) and tokenizer (save_pretrained)
+    model/      the policy (or, under LoRA, its adapter) and tokenizer (save_pretrained); under --fsdp the config
+                and tokenizer only, the weights being in shards/
     state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator) of every
                 rank, the step, the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
+    shards/     under --fsdp: a torch.distributed.checkpoint folder of the weights and AdamW's moments, each rank
+                writing its own shards (nothing is gathered); it loads at any number of processes, resharded.
 It is written under a temporary name and renamed into place, so a kill mid-save leaves the previous checkpoint
 as the latest one. Restoring all of the above makes a resumed run repeat the uninterrupted one exactly (same
-machine, CPU).
+machine, CPU). Nothing in it runs code when loaded: state.pt loads with weights_only, shards/ through a reader
+that admits only tensors and the index's own classes (safe_reader).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import torch
 
 import model as models
 from base.errors import UserError
-from plumbing import ddp
 
 # Flags that may change across a resume without changing what the run computes.
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
@@ -59,16 +62,22 @@ def path_of(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, weights: dict | None = None) -> Path:
-    """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`. `weights`: the whole
-    model's state dict where `policy` holds a shard of it (--fsdp, gathered by ddp.full_state)."""
+def temp_path(root: Path, step: int) -> Path:
+    """Where step-NNNNNN is written before it is renamed into place (the same name on every rank)."""
+    return root / f".tmp-step-{step:06d}"
+
+
+def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, sharded: bool = False) -> Path:
+    """Write step-NNNNNN atomically (temp folder + rename) and delete all but the newest `keep`. `sharded`: every
+    rank has written its shards into the temp folder already (save_shards); model/ gets the config only."""
     root.mkdir(parents=True, exist_ok=True)
-    final = path_of(root, step)
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "model", state_dict=weights)
-    if weights is not None:  # the config names the model's own class, not fully_shard's subclass
-        models.name_in_config(tmp / "model", policy)
+    final, tmp = path_of(root, step), temp_path(root, step)
+    if sharded:
+        policy.config.save_pretrained(tmp / "model")
+        models.name_in_config(tmp / "model", policy)  # the model's own class, not fully_shard's subclass
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     torch.save(state, tmp / "state.pt")
     if final.exists():  # saving the same step again (a stop right after a periodic save)
@@ -77,6 +86,95 @@ def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, weigh
     for old in all_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --fsdp: each rank writes and reads its own shards (torch.distributed.checkpoint), and nothing in them runs code
+# ---------------------------------------------------------------------------------------------------------------
+
+# What a shards/.metadata index is made of (torch 2.6-2.13), besides dtypes: DCP's dataclasses, torch.Size, layouts,
+# the folder's path.
+INDEX_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+
+def save_shards(folder: Path, model: torch.nn.Module, optimizer) -> list[dict]:
+    """Every rank writes its shards of the weights and of AdamW's moments into `folder` (tensors only); returns
+    AdamW's param_groups (plain data, for state.pt)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    optim = get_optimizer_state_dict(model, optimizer)  # {"state": {name: {step, exp_avg, exp_avg_sq}}, ...}
+    dcp.save({"model": get_model_state_dict(model), "optim": optim["state"]}, checkpoint_id=folder)
+    return optim["param_groups"]
+
+
+def load_shards(folder: Path, model: torch.nn.Module, optimizer, param_groups: list[dict]) -> None:
+    """save_shards' folder into a model sharded over any number of processes (each rank reads the parts of the
+    tensors it holds) and its AdamW; every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # DCP unpickles non-tensor entries in full: refused, not read
+            raise CheckpointError(f"{folder} holds an entry that is not a tensor ({read_item.dest_index.fqn}), "
+                                  "which could run code when loaded, so it was not loaded")
+
+    reader = safe_reader(folder)
+    saved = reader.read_metadata().state_dict_metadata  # moments exist only for parameters that were stepped
+    weights = get_model_state_dict(model)
+    moments = {name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+               for name, p in model.named_parameters() if f"optim.{name}.exp_avg" in saved}
+    try:
+        dcp.load({"model": weights, "optim": moments}, storage_reader=reader, planner=TensorsOnly())
+    except dcp.api.CheckpointException as e:  # what failed on which rank (every rank raises it)
+        first = next((failure[0] for failure in e.failures.values()), e)
+        if isinstance(first, CheckpointError):
+            raise first from None
+        reason = (str(first).strip().splitlines() or ["no details"])[0][:160]
+        raise CheckpointError(f"{folder} cannot be read ({type(first).__name__}: {reason}); "
+                              f"{earlier_hint(folder.parent)}") from None
+    set_model_state_dict(model, weights)
+    set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": param_groups})
+
+
+def safe_reader(folder: Path):
+    """A reader of shards/ that runs no code (built on first use: DCP takes ~1 s to import, needed under --fsdp only)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Index(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if (module, name) not in INDEX_CLASSES and not dtype:
+                raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+            return super().find_class(module, name)
+
+    class SafeReader(dcp.FileSystemReader):
+        """torch's FileSystemReader, but the index is unpickled admitting only INDEX_CLASSES (torch's own reader
+        unpickles it in full, which could run code); the tensors themselves load with weights_only, as in torch."""
+
+        def read_metadata(self, *args, **kwargs):
+            path = Path(self.path) / ".metadata"
+            try:
+                with path.open("rb") as f:
+                    metadata = Index(f).load()
+                if not isinstance(metadata, Metadata):
+                    raise TypeError(f"it holds a {type(metadata).__name__}")
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, OSError) as e:
+                raise CheckpointError(f"{path} is not an index of tensors this trainer wrote ({e}), so it was not "
+                                      f"loaded; {earlier_hint(Path(self.path).parent)}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(folder)
 
 
 def all_checkpoints(root: Path) -> list[Path]:
@@ -129,6 +227,8 @@ def load_state(path: Path) -> dict:
         raise CheckpointError(f"{path}/state.pt is truncated or corrupt ({type(e).__name__}); {hint}")
     if not isinstance(state, dict) or "step" not in state or "config" not in state:
         raise CheckpointError(f"{path}/state.pt is not a checkpoint of this trainer; {hint}")
+    if state.get("sharded") and not (path / "shards" / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (--fsdp's shards/ missing); {hint}")
     return state
 
 
@@ -159,13 +259,13 @@ def check_world_size(state: dict, world_size: int, path: Path) -> None:
 
 
 def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, rank: int = 0,
-            sharded_model=None) -> tuple[int, float]:
+            sharded_model=None, path: Path | None = None) -> tuple[int, float]:
     """Put optimizer, scheduler, this rank's RNG streams and the prompt cursor back; returns (first step, minutes
-    already spent). A sharded checkpoint's optimizer state goes into `sharded_model`'s shards; at another number of
-    processes a rank without a saved RNG state keeps its fresh seed (the run goes on from the same weights and
-    optimizer state, not as the uninterrupted run would)."""
+    already spent). A sharded checkpoint at `path` puts back the weights and AdamW moments of `sharded_model`'s
+    shards too; at another number of processes a rank without a saved RNG state keeps its fresh seed (the run goes
+    on from the same weights and optimizer state, not as the uninterrupted run would)."""
     if state.get("sharded"):
-        ddp.load_optimizer_state(sharded_model, optimizer, state["optimizer"])
+        load_shards(path / "shards", sharded_model, optimizer, state["optimizer"]["param_groups"])
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -7,7 +7,8 @@ What each of the N ranks does, and what is synchronised:
                 (B and sum |y_i|) are summed over ranks first, so every rank divides by the same constants
     metrics     gathered from every rank, so a logged statistic is that of the whole rollout
     eval        each rank scores every N-th held-out problem; the counts are summed
-    writing     rank 0 alone writes logs, wandb, checkpoints and the final model
+    writing     rank 0 alone writes logs, wandb, checkpoints and the final model (under --fsdp each rank
+                writes its own shards of a checkpoint)
 
 The normaliser pitfall: DDP *averages* gradients over ranks, which is the gradient of the whole step only when every
 rank's loss was divided by the same number. A rank that divided by its own token count (DAPO's token-mean) would
@@ -171,23 +172,6 @@ def full_state_dict(model: torch.nn.Module) -> dict | None:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state if dist.get_rank() == 0 else None
-
-
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict | None, dict | None]:
-    """A sharded model's and its AdamW's whole state dicts (parameter names as keys), gathered on rank 0 in host
-    memory ((None, None) on the others); every rank calls it. A checkpoint written from them reshards on load at any
-    number of processes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return (weights, optim) if dist.get_rank() == 0 else (None, None)
-
-
-def load_optimizer_state(model: torch.nn.Module, optimizer, optim: dict) -> None:
-    """full_state's optimizer dict into a sharded model's AdamW: each rank keeps its own shard of every moment."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True))
 
 
 def _units(model):

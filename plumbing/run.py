@@ -9,6 +9,7 @@ import functools
 import json
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -221,17 +222,25 @@ class Run:
 
     def save(self, step: int, rng: dict | None = None, cursor: int | None = None) -> Path:
         """A checkpoint of the state after `step` (all ranks call it: each rank's RNG streams are kept; under --fsdp
-        each sends its shards to rank 0, which writes the whole model and optimizer state)."""
+        each rank writes its shards of the weights and AdamW's moments, and rank 0 the rest)."""
         rngs = self.world.gather(rng or checkpoint.rng_state(self.gen))
-        weights, optim = ddp.full_state(self.policy, self.optimizer) if self.world.sharded is not None else (None, None)
+        root, sharded = self.run_dir / "checkpoints", self.world.sharded is not None
+        if sharded:  # every rank writes its shards into the temp folder, then rank 0 the rest (checkpoint.save)
+            if self.world.main:  # a temp folder left by a kill mid-save goes before any rank writes into it
+                shutil.rmtree(checkpoint.temp_path(root, step), ignore_errors=True)
+            self.world.barrier()
+            optimizer = {"param_groups": checkpoint.save_shards(checkpoint.temp_path(root, step) / "shards",
+                                                                self.policy, self.optimizer)}
+        else:
+            optimizer = self.optimizer.state_dict()
         if self.world.main:
-            checkpoint.save(self.run_dir / "checkpoints", step, self.policy, self.tokenizer, {
+            checkpoint.save(root, step, self.policy, self.tokenizer, {
                 "step": step, "cursor": self.stream.cursor if cursor is None else cursor, "config": asdict(self.args),
-                "optimizer": optim or self.optimizer.state_dict(), "sharded": weights is not None,
+                "optimizer": optimizer, "sharded": sharded,
                 "scheduler": self.scheduler.state_dict(), "rng_ranks": rngs,
                 "wandb_id": getattr(self.logger.run, "id", None), "before": self.before, "minutes": self.minutes(),
                 "entropy_control": None if self.entropy_control is None else vars(self.entropy_control),
-            }, self.args.keep_checkpoints, weights)
+            }, self.args.keep_checkpoints, sharded)
         self.world.barrier()
         return checkpoint.path_of(self.run_dir / "checkpoints", step)
 
@@ -255,7 +264,9 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                 device = models.pick_device(args.device)
                 models.refuse_what_cannot_fit(args.model, device, models.pick_dtype(device, args.dtype), cfg.beta > 0,
                                               world.size if args.fsdp else 1)
-            policy, tokenizer = load_policy(args, resume_from / "model" if state and not args.lora_rank else None)
+            # a checkpoint's model, or --model's (under LoRA the adapter goes on top; under --fsdp the shards do)
+            whole = state and not args.lora_rank and not state.get("sharded")
+            policy, tokenizer = load_policy(args, resume_from / "model" if whole else None)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                          adapter=resume_from / "model" if state else None, seed=args.seed)
@@ -266,7 +277,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if cfg.beta > 0 and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
         elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
-            ref_policy = models.frozen_reference(load_policy(args)[0] if state else copy.deepcopy(policy))
+            ref_policy = models.frozen_reference(load_policy(args)[0] if whole else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()
@@ -291,7 +302,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         first_step, minutes_before = 1, 0.0
         if state:
             first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank,
-                                                            world.sharded)
+                                                            world.sharded, resume_from)
             if world.main:  # the one writer of the run folder
                 checkpoint.keep_metrics_up_to(run_dir / "metrics.jsonl", state["step"])
             print(f"resumed from {resume_from} at step {state['step']}")

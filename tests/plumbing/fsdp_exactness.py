@@ -95,29 +95,26 @@ def main(model_dir: str, out: str) -> None:
     ddp.teardown()
 
 
-def reshard(checkpoint_dir: str, out: str) -> None:
-    """`fsdp_exactness.py --reshard CHECKPOINT OUT.json` under torchrun with N processes: load a --fsdp checkpoint as
-    a resumed run does (the whole model from model/, sharded over N; the optimizer state into the shards), gather it
-    back, and write (rank 0) the largest difference from what the checkpoint holds."""
+def reshard(model_dir: str, checkpoint_dir: str, out: str) -> None:
+    """`fsdp_exactness.py --reshard MODEL CHECKPOINT OUT.pt` under torchrun with N processes: load a --fsdp checkpoint
+    as a resumed run does (--model's weights sharded over N, then each rank's part of the checkpoint's shards and
+    AdamW moments read into them), gather the weights and moments back, and save them (rank 0) for comparison."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     from plumbing import checkpoint
-    import model as models
 
     world = ddp.setup("cpu")
     path = Path(checkpoint_dir)
     state = checkpoint.load_state(path)
-    policy, _ = models.load_model(str(path / "model"), torch.device("cpu"), torch.float32)
-    saved_weights = {k: v.clone() for k, v in policy.state_dict().items()}
+    policy, _ = models.load_model(model_dir, torch.device("cpu"), torch.float32)
     world.wrap(policy, fsdp=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # as a run's: its groups hold initial_lr
-    ddp.load_optimizer_state(policy, optimizer, state["optimizer"])
-    weights, optim = ddp.full_state(policy, optimizer)
+    checkpoint.load_shards(path / "shards", policy, optimizer, state["optimizer"]["param_groups"])
+    weights, optim = get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if world.main:
-        w_diff = max(float((weights[k] - v).abs().max()) for k, v in saved_weights.items() if k in weights)
-        o_diff = max(float((optim["state"][k][m] - v).abs().max()) for k, s in state["optimizer"]["state"].items()
-                     for m, v in s.items())
-        Path(out).write_text(json.dumps({"processes": world.size, "weights": w_diff, "optimizer": o_diff,
-                                         "moments": len(state["optimizer"]["state"])}))
+        torch.save({"processes": world.size, "weights": weights, "moments": optim["state"],
+                    "lr": optimizer.param_groups[0]["lr"]}, out)
     world.barrier()  # a rank that leaves the group while another still works can abort in gloo (seen once)
     ddp.teardown()
 

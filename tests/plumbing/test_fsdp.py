@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import model as models
 from conftest import TORCHRUN_SMALL as SMALL, finish, metrics_without_timing, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,10 +103,11 @@ def test_what_fsdp_does_not_do_is_refused_in_one_line(tmp_path, tiny_policy_dir,
 
 
 def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy_dir):
-    """--fsdp --save-every: rank 0 writes the gathered model (an ordinary model/ folder) and AdamW state (by parameter
-    name, weights_only) at step 2; resuming it at 2 processes logs the uninterrupted run's steps 3-4 exactly; loaded
-    at 1 or 2 processes, and written at 1 and loaded at 2, the weights and every AdamW moment come back exactly; a
-    2-process run resumes from the 1-process checkpoint."""
+    """--fsdp --save-every: each rank writes its shards of the weights and AdamW moments (a torch.distributed.checkpoint
+    folder, shards/) at step 2, rank 0 the config, tokenizer and state.pt; resuming it at 2 processes logs the
+    uninterrupted run's steps 3-4 exactly; loaded at 1 and at 2 processes, and written at 1 and loaded at 1 and 2,
+    the weights and every AdamW moment are the same (and not --model's); a 2-process run resumes from the 1-process
+    checkpoint."""
     from plumbing import checkpoint
 
     base = ["--model", str(tiny_policy_dir), "--device", "cpu", "--fsdp", "--eval-every", "2"] + SMALL
@@ -121,6 +123,9 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     state = checkpoint.load_state(saved)  # weights_only: tensors and plain data
     assert state["sharded"] and json.loads((saved / "model" / "config.json").read_text())["architectures"] == \
         ["LlamaForCausalLM"]
+    shards = sorted(f.name for f in (saved / "shards").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards  # one file of shards per rank
+    assert not list((saved / "model").glob("*.safetensors"))  # nothing gathered: the weights are in shards/
     run(2, "--total-steps", "4", "--resume", str(saved), "--run-name", "c", "--output-dir", str(tmp_path / "a"))
     resumed = metrics_without_timing(tmp_path / "a" / "c")
     uninterrupted = [r for r in metrics_without_timing(a) if r["step"] > 2]
@@ -143,17 +148,28 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     assert metrics_without_timing(tmp_path / "sig" / "gspo-np2-s0") == metrics_without_timing(a)
 
     def reshard(n, path):
-        out = tmp_path / f"reshard-{n}-{path.parent.parent.name}.json"
-        code, _, err = finish(torchrun(n, "tests/plumbing/fsdp_exactness.py", ["--reshard", str(path), str(out)]))
+        out = tmp_path / f"reshard-{n}-{path.parent.parent.name}.pt"
+        code, _, err = finish(torchrun(n, "tests/plumbing/fsdp_exactness.py",
+                                       ["--reshard", str(tiny_policy_dir), str(path), str(out)]))
         assert code == 0, err[-3000:]
-        return json.loads(out.read_text())
+        r = torch.load(out, weights_only=True)
+        assert r["processes"] == n and len(r["moments"]) == sum(1 for _ in start.parameters()), r["moments"].keys()
+        return r
 
-    for n in (1, 2):
-        r = reshard(n, saved)
-        assert r["processes"] == n and r["weights"] == 0 and r["optimizer"] == 0 and r["moments"] > 0, r
-    run(1, "--total-steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "d"))
-    one = next((tmp_path / "d").glob("*/checkpoints/step-000002"))
-    r = reshard(2, one)
-    assert r["weights"] == 0 and r["optimizer"] == 0, r
+    def same(a, b):
+        assert a["weights"].keys() == b["weights"].keys() and a["moments"].keys() == b["moments"].keys()
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+        assert all(torch.equal(a["moments"][k][m], b["moments"][k][m]) for k in a["moments"] for m in a["moments"][k])
+        assert a["lr"] == b["lr"]
+
+    start = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0]
+    for path in (saved, None):
+        if path is None:  # written by one process, read by one and by two
+            run(1, "--total-steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "d"))
+            path = one = next((tmp_path / "d").glob("*/checkpoints/step-000002"))
+        at_one, at_two = reshard(1, path), reshard(2, path)
+        same(at_one, at_two)
+        moved = max(float((at_one["weights"][k] - v).abs().max()) for k, v in start.state_dict().items())
+        assert moved > 0, moved  # the checkpoint's weights were read (trained: they moved), not --model's kept
     out = run(2, "--total-steps", "3", "--resume", str(one), "--run-name", "e", "--output-dir", str(tmp_path / "d"))
     assert "resumed from" in out and [r["step"] for r in metrics_without_timing(tmp_path / "d" / "e")] == [3]

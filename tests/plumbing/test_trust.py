@@ -127,3 +127,48 @@ def test_a_run_with_wandb_disabled_does_not_import_wandb(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert "wandb loaded: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_fsdp_shards_round_trip_and_an_index_or_entry_that_would_run_code_is_refused(tmp_path, tiny_policy_dir):
+    """--fsdp's checkpoint shards (torch.distributed.checkpoint, here written and read by one process): the weights
+    and AdamW moments come back exactly; torch's own reader would unpickle a tampered index (.metadata) or a
+    non-tensor entry in full and run what it carries, this project's reader refuses both in one line."""
+    import pickle
+    import torch.distributed.checkpoint as dcp
+
+    def stepped(seed):
+        policy = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0]
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        torch.manual_seed(seed)
+        policy(input_ids=torch.randint(0, 50, (2, 6))).logits.square().mean().backward()
+        optimizer.step()
+        return policy, optimizer
+
+    (policy, optimizer), (other, other_optimizer) = stepped(0), stepped(1)
+    groups = checkpoint.save_shards(tmp_path / "shards", policy, optimizer)
+    assert not all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), other.state_dict().values()))
+    checkpoint.load_shards(tmp_path / "shards", other, other_optimizer, groups)
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), other.state_dict().values()))
+    saved, loaded = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k][m], loaded[k][m]) for k in saved for m in saved[k])
+
+    marker = tmp_path / "ran"
+    index = tmp_path / "shards" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    metadata.storage_meta = RunsCode(marker)
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(checkpoint.CheckpointError, match="is not an index of tensors this trainer wrote"):
+        checkpoint.load_shards(tmp_path / "shards", other, other_optimizer, groups)
+    assert not marker.exists()
+
+    weights = dict(policy.state_dict())
+    weights["model.norm.weight"] = RunsCode(marker)  # DCP stores a non-tensor as a pickle, read back in full
+    dcp.save({"model": weights}, checkpoint_id=tmp_path / "bytes")
+    with pytest.raises(checkpoint.CheckpointError, match="model.model.norm.weight.*could run code"):
+        checkpoint.load_shards(tmp_path / "bytes", other, other_optimizer, groups)
+    assert not marker.exists()
+
+    (shard,) = (tmp_path / "bytes").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+        checkpoint.load_shards(tmp_path / "bytes", other, other_optimizer, groups)
