@@ -6,7 +6,8 @@ A checkpoint is a folder <run>/checkpoints/step-NNNNNN/ holding
     state.pt    optimizer, scheduler, every RNG state (python, numpy, torch, the minibatch generator) of every
                 rank, the step, the prompt cursor, the run's config, its wandb id and the 'before' evaluation.
     shards/     under --fsdp: a torch.distributed.checkpoint folder of the weights and AdamW's moments, each rank
-                writing its own shards (nothing is gathered); it loads at any number of processes, resharded.
+                writing its own shards (nothing is gathered); it loads at any number of processes, resharded, and
+                `python -m plumbing.checkpoint --export STEP OUT` makes it a model folder.
 It is written under a temporary name and renamed into place, so a kill mid-save leaves the previous checkpoint
 as the latest one. Restoring all of the above makes a resumed run repeat the uninterrupted one exactly (same
 machine, CPU). Nothing in it runs code when loaded: state.pt loads with weights_only, shards/ through a reader
@@ -72,9 +73,11 @@ def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, shard
     rank has written its shards into the temp folder already (save_shards); model/ gets the config only."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = path_of(root, step), temp_path(root, step)
-    if sharded:
+    if sharded:  # what export needs to make the shards a model folder as final/ is: its class, dtype, sampling
         policy.config.save_pretrained(tmp / "model")
-        models.name_in_config(tmp / "model", policy)  # the model's own class, not fully_shard's subclass
+        (getattr(policy, "own_generation_config", None) or policy.generation_config).save_pretrained(tmp / "model")
+        models.name_in_config(tmp / "model", policy, dtype=str(getattr(policy, "own_dtype", None) or policy.dtype)
+                              .removeprefix("torch."))  # the model's own class, not fully_shard's subclass
     else:
         shutil.rmtree(tmp, ignore_errors=True)
         policy.save_pretrained(tmp / "model")
@@ -112,9 +115,10 @@ def save_shards(folder: Path, model: torch.nn.Module, optimizer) -> list[dict]:
     return optim["param_groups"]
 
 
-def load_shards(folder: Path, model: torch.nn.Module, optimizer, param_groups: list[dict]) -> None:
+def load_shards(folder: Path, model: torch.nn.Module, optimizer=None, param_groups: list[dict] | None = None) -> None:
     """save_shards' folder into a model sharded over any number of processes (each rank reads the parts of the
-    tensors it holds) and its AdamW; every rank calls it."""
+    tensors it holds) and its AdamW (None: the weights only); every rank calls it. Outside torchrun, one process
+    reads every shard into an ordinary model (export)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, set_model_state_dict,
@@ -129,7 +133,7 @@ def load_shards(folder: Path, model: torch.nn.Module, optimizer, param_groups: l
     saved = reader.read_metadata().state_dict_metadata  # moments exist only for parameters that were stepped
     weights = get_model_state_dict(model)
     moments = {name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-               for name, p in model.named_parameters() if f"optim.{name}.exp_avg" in saved}
+               for name, p in model.named_parameters() if optimizer is not None and f"optim.{name}.exp_avg" in saved}
     try:
         dcp.load({"model": weights, "optim": moments}, storage_reader=reader, planner=TensorsOnly())
     except dcp.api.CheckpointException as e:  # what failed on which rank (every rank raises it)
@@ -140,7 +144,8 @@ def load_shards(folder: Path, model: torch.nn.Module, optimizer, param_groups: l
         raise CheckpointError(f"{folder} cannot be read ({type(first).__name__}: {reason}); "
                               f"{earlier_hint(folder.parent)}") from None
     set_model_state_dict(model, weights)
-    set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": param_groups})
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": param_groups})
 
 
 def safe_reader(folder: Path):
@@ -294,12 +299,37 @@ def convert_trusted(path: Path) -> None:
     os.replace(path / "state.pt.tmp", path / "state.pt")
 
 
+def export(path: Path, out: Path) -> None:
+    """A --fsdp checkpoint's weights as an ordinary model folder (what final/ is at the end of a run), read from
+    its shards by one process: for evaluating or sampling from a step of a sharded run."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path / "model")
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with warnings.catch_warnings():  # DCP's "no process group: assuming a single process", which is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        load_shards(path / "shards", model)
+    if (path / "model" / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path / "model")
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(dtype).save_pretrained(tmp)  # in the model's own dtype, as final/
+    AutoTokenizer.from_pretrained(path / "model").save_pretrained(tmp)
+    os.replace(tmp, out)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m plumbing.checkpoint --convert-trusted DIR`: the one command line of this module."""
+    """`python -m plumbing.checkpoint --convert-trusted DIR` or `--export DIR OUT`: this module's command lines."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    usage = "python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust)"
+    if argv[:1] == ["--export"]:
+        return main_export(argv[1:])
+    usage = ("python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust), "
+             "or --export RUN/checkpoints/step-NNNNNN OUT (a --fsdp checkpoint as a model folder)")
     problem = (f"usage: {usage}" if len(argv) != 2 or argv[0] != "--convert-trusted" else
                f"{argv[1]} has no state.pt: pass a checkpoint folder, RUN/checkpoints/step-NNNNNN"
                if not (Path(argv[1]) / "state.pt").is_file() else None)
@@ -313,6 +343,27 @@ def main(argv: list[str] | None = None) -> None:
               "it is not a checkpoint this project wrote", file=sys.stderr)
         sys.exit(2)
     print(f"converted {argv[1]}/state.pt: it loads with weights_only now")
+
+
+def main_export(argv: list[str]) -> None:
+    """`python -m plumbing.checkpoint --export CHECKPOINT OUT`: one `error:` line and nothing written for bad input."""
+    import sys
+
+    path, out = (Path(a) for a in argv) if len(argv) == 2 else (None, None)
+    problem = ("usage: python -m plumbing.checkpoint --export RUN/checkpoints/step-NNNNNN OUT" if path is None else
+               f"{out} exists: choose a new folder for the model" if out.exists() else
+               f"{path} has no shards/: only a --fsdp checkpoint needs exporting (the model/ folder of any other is "
+               "a model folder already)" if not (path / "shards").is_dir() else None)
+    try:
+        if problem is None:
+            load_state(path)  # a complete checkpoint of this trainer, or one line saying why not
+            export(path, out)
+    except CheckpointError as e:
+        problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out}: the weights of {path} as a model folder (--model {out} loads it)")
 
 
 if __name__ == "__main__":

@@ -601,6 +601,7 @@ def entry_points(tmp_path: Path) -> list[tuple[str, list[str], str]]:
     (tmp_path / "partial" / "config.json").write_text(json_.dumps({"hidden_size": 64}))
     (tmp_path / "step").mkdir()
     (tmp_path / "step" / "state.pt").write_text("not a checkpoint")
+    (tmp_path / "sharded" / "shards").mkdir(parents=True)
     return [
         ("tools.memory", ["--model", str(tmp_path / "missing")], "is neither a model folder"),
         ("tools.memory", ["--model", str(tmp_path / "empty")], "has no config.json"),
@@ -628,6 +629,11 @@ def entry_points(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("plumbing.checkpoint", [], "usage:"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "missing")], "has no state.pt"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "step")], "cannot convert"),
+        ("plumbing.checkpoint", ["--export", str(tmp_path / "step")], "usage:"),
+        ("plumbing.checkpoint", ["--export", str(tmp_path / "step"), str(tmp_path / "out")], "has no shards/"),
+        ("plumbing.checkpoint", ["--export", str(tmp_path / "sharded"), str(tmp_path / "empty")], "exists"),
+        ("plumbing.checkpoint", ["--export", str(tmp_path / "sharded"), str(tmp_path / "out")],
+         "not a complete checkpoint"),
     ]
 
 

@@ -107,7 +107,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     folder, shards/) at step 2, rank 0 the config, tokenizer and state.pt; resuming it at 2 processes logs the
     uninterrupted run's steps 3-4 exactly; loaded at 1 and at 2 processes, and written at 1 and loaded at 1 and 2,
     the weights and every AdamW moment are the same (and not --model's); a 2-process run resumes from the 1-process
-    checkpoint."""
+    checkpoint; `python -m plumbing.checkpoint --export` makes the shards a model folder with the same weights."""
     from plumbing import checkpoint
 
     base = ["--model", str(tiny_policy_dir), "--device", "cpu", "--fsdp", "--eval-every", "2"] + SMALL
@@ -163,13 +163,22 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
         assert a["lr"] == b["lr"]
 
     start = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0]
+    of_saved = None
     for path in (saved, None):
         if path is None:  # written by one process, read by one and by two
             run(1, "--total-steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "d"))
             path = one = next((tmp_path / "d").glob("*/checkpoints/step-000002"))
         at_one, at_two = reshard(1, path), reshard(2, path)
         same(at_one, at_two)
+        of_saved = at_two if path == saved else of_saved
         moved = max(float((at_one["weights"][k] - v).abs().max()) for k, v in start.state_dict().items())
         assert moved > 0, moved  # the checkpoint's weights were read (trained: they moved), not --model's kept
+    # one process, no torchrun, turns the 2-rank shards into an ordinary model folder holding the same weights
+    exported = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "plumbing.checkpoint", "--export", str(saved), str(exported)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"wrote {exported}" in done.stdout, done.stderr[-2000:]
+    model = models.load_model(str(exported), torch.device("cpu"), torch.float32)[0]
+    assert all(torch.equal(v, of_saved["weights"][k]) for k, v in model.state_dict().items())
     out = run(2, "--total-steps", "3", "--resume", str(one), "--run-name", "e", "--output-dir", str(tmp_path / "d"))
     assert "resumed from" in out and [r["step"] for r in metrics_without_timing(tmp_path / "d" / "e")] == [3]
