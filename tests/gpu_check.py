@@ -10,9 +10,10 @@ Each check prints one verdict line, `ok`, `FAIL` or `skip`, with its numbers and
 folder and console log (DIR/runs/), each check's numbers (DIR/checks.jsonl) and the verdict lines (DIR/verdicts.txt).
 Every subprocess has a time limit (--timeout, seconds).
 
-  runs        the default run, 3 steps, as one process and under torchrun with 1 rank (2 ranks over NCCL with 2+ GPUs,
-              and sharded with --fsdp over every local GPU; on a CPU, not --fast, 2 gloo ranks with --fsdp):
-              exit 0, every step logged, every metric finite, no update skipped; each with its peak memory per rank
+  runs        the default run, 3 steps, as one process and under torchrun with 1 rank (2 ranks over NCCL with 2+ GPUs),
+              and sharded with --fsdp over every local GPU, one included (on a CPU, not --fast, 2 gloo ranks),
+              checkpointing each step: exit 0, every step logged, every metric finite, no update skipped, the
+              sharded run's last checkpoint written (its shards' index); each with its peak memory per rank
   memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
               against tools/memory.py's estimate, within 10%: the default model (on a GPU) and a Qwen2.5-1.5B-shaped
               model built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its
@@ -187,12 +188,14 @@ def check_runs(c: Check) -> None:
     if c.device == "cuda" and torch.cuda.device_count() >= 2:
         commands["torchrun, 2 ranks (NCCL)"] = [*torchrun, "--nproc-per-node", "2", "train.py", *common,
                                                "--run-name", "np2"]
-        n = torch.cuda.device_count()  # sharded over every local GPU (issue 47.7)
-        commands[f"torchrun, {n} ranks (NCCL), --fsdp"] = [*torchrun, "--nproc-per-node", str(n), "train.py", *common,
-                                                          "--fsdp", "--run-name", f"fsdp{n}"]
-    elif c.device == "cpu" and not c.fast:
+    sharded = ["--fsdp", "--save-every", "1", "--keep-checkpoints", "1"]  # each step's shards written (DCP)
+    if c.device == "cuda":  # sharded over every local GPU (issue 47.7), one included: FSDP2, NCCL, DCP on CUDA
+        n = torch.cuda.device_count()
+        commands[f"torchrun, {n} rank(s) (NCCL), --fsdp"] = [*torchrun, "--nproc-per-node", str(n), "train.py",
+                                                            *common, *sharded, "--run-name", f"fsdp{n}"]
+    elif not c.fast:
         commands["torchrun, 2 ranks (gloo), --fsdp"] = [*torchrun, "--nproc-per-node", "2", "train.py", *common,
-                                                       "--fsdp", "--run-name", "fsdp2"]
+                                                       *sharded, "--run-name", "fsdp2"]
     for name, cmd in commands.items():
         run_name = cmd[cmd.index("--run-name") + 1]
         t0 = time.time()
@@ -200,6 +203,10 @@ def check_runs(c: Check) -> None:
         path = c.out / "runs" / run_name / "metrics.jsonl"
         rows = [json.loads(line) for line in path.open()] if path.is_file() else []
         ok, detail = run_verdict(code, rows, steps)
+        if "--fsdp" in cmd:  # the last step's checkpoint: every rank's shards and their index
+            shards = c.out / "runs" / run_name / "checkpoints" / f"step-{steps:06d}" / "shards"
+            written = sorted(f.name for f in shards.iterdir()) if shards.is_dir() else []
+            ok, detail = ok and ".metadata" in written, f"{detail}, checkpoint shards: {', '.join(written) or 'none'}"
         peaks = [(r["perf/peak_memory_gib_min"], r["perf/peak_memory_gib_max"]) for r in rows
                  if "perf/peak_memory_gib_max" in r]
         memory = (f", peak memory per rank {max(p[0] for p in peaks):.2f}-{max(p[1] for p in peaks):.2f} GiB"
