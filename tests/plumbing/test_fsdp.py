@@ -107,7 +107,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     folder, shards/) at step 2, rank 0 the config, tokenizer and state.pt; resuming it at 2 processes logs the
     uninterrupted run's steps 3-4 exactly; loaded at 1 and at 2 processes, and written at 1 and loaded at 1 and 2,
     the weights and every AdamW moment are the same (and not --model's); a 2-process run resumes from the 1-process
-    checkpoint; `python -m plumbing.checkpoint --export` makes the shards a model folder with the same weights."""
+    checkpoint and a 1-process run from the 2-process one; `python -m plumbing.checkpoint --export` makes the shards a model folder with the same weights."""
     from plumbing import checkpoint
 
     base = ["--model", str(tiny_policy_dir), "--device", "cpu", "--fsdp", "--eval-every", "2"] + SMALL
@@ -180,5 +180,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     assert done.returncode == 0 and f"wrote {exported}" in done.stdout, done.stderr[-2000:]
     model = models.load_model(str(exported), torch.device("cpu"), torch.float32)[0]
     assert all(torch.equal(v, of_saved["weights"][k]) for k, v in model.state_dict().items())
-    out = run(2, "--total-steps", "3", "--resume", str(one), "--run-name", "e", "--output-dir", str(tmp_path / "d"))
-    assert "resumed from" in out and [r["step"] for r in metrics_without_timing(tmp_path / "d" / "e")] == [3]
+    for n, path, name in ((2, one, "e"), (1, saved, "f")):  # a run goes on at another number of processes
+        out = run(n, "--total-steps", "3", "--resume", str(path), "--run-name", name, "--output-dir", str(path.parents[2]))
+        assert "resumed from" in out and "resharded" in out, out[-2000:]
+        assert [r["step"] for r in metrics_without_timing(path.parents[2] / name)] == [3]
