@@ -149,7 +149,7 @@ def load_shards(folder: Path, model: torch.nn.Module, optimizer=None, param_grou
 
 
 def safe_reader(folder: Path):
-    """A reader of shards/ that runs no code (built on first use: DCP takes ~1 s to import, needed under --fsdp only)."""
+    """A reader of shards/ that runs no code (built on first use: DCP takes ~1 s to import; only --fsdp needs it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 

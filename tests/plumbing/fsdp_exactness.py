@@ -95,26 +95,29 @@ def main(model_dir: str, out: str) -> None:
     ddp.teardown()
 
 
-def reshard(model_dir: str, checkpoint_dir: str, out: str) -> None:
-    """`fsdp_exactness.py --reshard MODEL CHECKPOINT OUT.pt` under torchrun with N processes: load a --fsdp checkpoint
-    as a resumed run does (--model's weights sharded over N, then each rank's part of the checkpoint's shards and
-    AdamW moments read into them), gather the weights and moments back, and save them (rank 0) for comparison."""
+def reshard(model_dir: str, out_prefix: str, *checkpoint_dirs: str) -> None:
+    """`fsdp_exactness.py --reshard MODEL OUT_PREFIX CHECKPOINT...` under torchrun with N processes: load each --fsdp
+    checkpoint as a resumed run does (--model's weights sharded over N, then each rank's part of the checkpoint's
+    shards and AdamW moments read into them), gather the weights and moments back, and save them (rank 0) to
+    OUT_PREFIX-<i>.pt, i the checkpoint's place in the list, for comparison."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from plumbing import checkpoint
 
     world = ddp.setup("cpu")
-    path = Path(checkpoint_dir)
-    state = checkpoint.load_state(path)
-    policy, _ = models.load_model(model_dir, torch.device("cpu"), torch.float32)
-    world.wrap(policy, fsdp=True)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # as a run's: its groups hold initial_lr
-    checkpoint.load_shards(path / "shards", policy, optimizer, state["optimizer"]["param_groups"])
-    weights, optim = get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if world.main:
-        torch.save({"processes": world.size, "weights": weights, "moments": optim["state"],
-                    "lr": optimizer.param_groups[0]["lr"]}, out)
+    for i, checkpoint_dir in enumerate(checkpoint_dirs):
+        path = Path(checkpoint_dir)
+        state = checkpoint.load_state(path)
+        policy, _ = models.load_model(model_dir, torch.device("cpu"), torch.float32)
+        world.wrap(policy, fsdp=True)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # as a run's: its groups hold initial_lr
+        checkpoint.load_shards(path / "shards", policy, optimizer, state["optimizer"]["param_groups"])
+        weights, optim = get_state_dict(policy, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if world.main:
+            torch.save({"processes": world.size, "weights": weights, "moments": optim["state"],
+                        "lr": optimizer.param_groups[0]["lr"]}, f"{out_prefix}-{i}.pt")
     world.barrier()  # a rank that leaves the group while another still works can abort in gloo (seen once)
     ddp.teardown()
 

@@ -102,12 +102,13 @@ def test_what_fsdp_does_not_do_is_refused_in_one_line(tmp_path, tiny_policy_dir,
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy_dir):
+def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy_dir, capsys):
     """--fsdp --save-every: each rank writes its shards of the weights and AdamW moments (a torch.distributed.checkpoint
-    folder, shards/) at step 2, rank 0 the config, tokenizer and state.pt; resuming it at 2 processes logs the
-    uninterrupted run's steps 3-4 exactly; loaded at 1 and at 2 processes, and written at 1 and loaded at 1 and 2,
-    the weights and every AdamW moment are the same (and not --model's); a 2-process run resumes from the 1-process
-    checkpoint and a 1-process run from the 2-process one; `python -m plumbing.checkpoint --export` makes the shards a model folder with the same weights."""
+    folder, shards/), rank 0 the config, tokenizer and state.pt; SIGTERM to torchrun stops both ranks with one
+    checkpoint, and resuming it logs the uninterrupted run's later steps exactly; a checkpoint written at 2 processes
+    and one written at 1, each loaded at 1 and at 2, give the same weights and every AdamW moment (and not --model's);
+    a 2-process run resumes from the 1-process checkpoint and a 1-process run from the 2-process one;
+    `python -m plumbing.checkpoint --export` makes the shards a model folder with the same weights."""
     from plumbing import checkpoint
 
     base = ["--model", str(tiny_policy_dir), "--device", "cpu", "--fsdp", "--eval-every", "2"] + SMALL
@@ -126,13 +127,8 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     shards = sorted(f.name for f in (saved / "shards").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards  # one file of shards per rank
     assert not list((saved / "model").glob("*.safetensors"))  # nothing gathered: the weights are in shards/
-    run(2, "--total-steps", "4", "--resume", str(saved), "--run-name", "c", "--output-dir", str(tmp_path / "a"))
-    resumed = metrics_without_timing(tmp_path / "a" / "c")
-    uninterrupted = [r for r in metrics_without_timing(a) if r["step"] > 2]
-    assert [r["step"] for r in resumed] == [3, 4] and resumed == uninterrupted
-
-    # SIGTERM to torchrun (a scheduler's preemption) reaches both ranks: they stop after the same step, rank 0 saves
-    # one checkpoint of it, and a resume under the same command logs the uninterrupted run's later steps
+    # SIGTERM to torchrun (a scheduler's preemption) reaches both ranks: they stop after the same step, each writes
+    # its shards of one checkpoint, and a resume under the same command logs the uninterrupted run's later steps
     job = torchrun(2, "train.py", base + ["--total-steps", "1000", "--output-dir", str(tmp_path / "sig")])
     log, deadline = tmp_path / "sig" / "gspo-np2-s0" / "metrics.jsonl", time.time() + 120
     while not (log.is_file() and len(log.read_text().splitlines()) >= 2) and time.time() < deadline:
@@ -147,40 +143,37 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     run(2, "--total-steps", "4", "--resume", "auto", "--output-dir", str(tmp_path / "sig"))
     assert metrics_without_timing(tmp_path / "sig" / "gspo-np2-s0") == metrics_without_timing(a)
 
-    def reshard(n, path):
-        out = tmp_path / f"reshard-{n}-{path.parent.parent.name}.pt"
-        code, _, err = finish(torchrun(n, "tests/plumbing/fsdp_exactness.py",
-                                       ["--reshard", str(tiny_policy_dir), str(path), str(out)]))
-        assert code == 0, err[-3000:]
-        r = torch.load(out, weights_only=True)
-        assert r["processes"] == n and len(r["moments"]) == sum(1 for _ in start.parameters()), r["moments"].keys()
-        return r
-
-    def same(a, b):
-        assert a["weights"].keys() == b["weights"].keys() and a["moments"].keys() == b["moments"].keys()
-        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-        assert all(torch.equal(a["moments"][k][m], b["moments"][k][m]) for k in a["moments"] for m in a["moments"][k])
-        assert a["lr"] == b["lr"]
-
+    run(1, "--total-steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "d"))
+    one = next((tmp_path / "d").glob("*/checkpoints/step-000002"))
     start = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0]
+
+    def reshard(n):  # both checkpoints loaded by n processes, gathered back
+        argv = ["--reshard", str(tiny_policy_dir), str(tmp_path / f"at{n}"), str(saved), str(one)]
+        code, _, err = finish(torchrun(n, "tests/plumbing/fsdp_exactness.py", argv))
+        assert code == 0, err[-3000:]
+        loaded = [torch.load(tmp_path / f"at{n}-{i}.pt", weights_only=True) for i in range(2)]
+        assert all(r["processes"] == n and len(r["moments"]) == sum(1 for _ in start.parameters()) for r in loaded)
+        return loaded
+
     of_saved = None
-    for path in (saved, None):
-        if path is None:  # written by one process, read by one and by two
-            run(1, "--total-steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "d"))
-            path = one = next((tmp_path / "d").glob("*/checkpoints/step-000002"))
-        at_one, at_two = reshard(1, path), reshard(2, path)
-        same(at_one, at_two)
-        of_saved = at_two if path == saved else of_saved
+    for at_one, at_two in zip(reshard(1), reshard(2)):  # written at 2, then at 1: read alike by 1 and by 2
+        assert at_one["weights"].keys() == at_two["weights"].keys()
+        assert at_one["moments"].keys() == at_two["moments"].keys()
+        assert all(torch.equal(at_one["weights"][k], at_two["weights"][k]) for k in at_one["weights"])
+        assert all(torch.equal(at_one["moments"][k][m], at_two["moments"][k][m])
+                   for k in at_one["moments"] for m in at_one["moments"][k])
+        assert at_one["lr"] == at_two["lr"]
         moved = max(float((at_one["weights"][k] - v).abs().max()) for k, v in start.state_dict().items())
         assert moved > 0, moved  # the checkpoint's weights were read (trained: they moved), not --model's kept
+        of_saved = at_two if of_saved is None else of_saved
     # one process, no torchrun, turns the 2-rank shards into an ordinary model folder holding the same weights
     exported = tmp_path / "exported"
-    done = subprocess.run([sys.executable, "-m", "plumbing.checkpoint", "--export", str(saved), str(exported)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and f"wrote {exported}" in done.stdout, done.stderr[-2000:]
+    checkpoint.main(["--export", str(saved), str(exported)])
+    assert f"wrote {exported}" in capsys.readouterr().out
     model = models.load_model(str(exported), torch.device("cpu"), torch.float32)[0]
     assert all(torch.equal(v, of_saved["weights"][k]) for k, v in model.state_dict().items())
     for n, path, name in ((2, one, "e"), (1, saved, "f")):  # a run goes on at another number of processes
-        out = run(n, "--total-steps", "3", "--resume", str(path), "--run-name", name, "--output-dir", str(path.parents[2]))
+        out = run(n, "--total-steps", "3", "--resume", str(path), "--run-name", name,
+                  "--output-dir", str(path.parents[2]))
         assert "resumed from" in out and "resharded" in out, out[-2000:]
         assert [r["step"] for r in metrics_without_timing(path.parents[2] / name)] == [3]

@@ -150,7 +150,8 @@ def test_fsdp_shards_round_trip_and_an_index_or_entry_that_would_run_code_is_ref
     checkpoint.load_shards(tmp_path / "shards", other, other_optimizer, groups)
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), other.state_dict().values()))
     saved, loaded = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k][m], loaded[k][m]) for k in saved for m in saved[k])
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k][m], loaded[k][m]) for k in saved for m in saved[k])
 
     marker = tmp_path / "ran"
     index = tmp_path / "shards" / ".metadata"
