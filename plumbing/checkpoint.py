@@ -306,7 +306,8 @@ def export(path: Path, out: Path) -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    config = AutoConfig.from_pretrained(path / "model")
+    models.refuse_custom_code(path / "model")  # as every model folder this trainer reads: no auto_map, no code
+    config = AutoConfig.from_pretrained(path / "model", trust_remote_code=False)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with warnings.catch_warnings():  # DCP's "no process group: assuming a single process", which is the intent
@@ -358,7 +359,7 @@ def main_export(argv: list[str]) -> None:
         if problem is None:
             load_state(path)  # a complete checkpoint of this trainer, or one line saying why not
             export(path, out)
-    except CheckpointError as e:
+    except (CheckpointError, models.ModelError) as e:
         problem = str(e)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -173,3 +173,15 @@ def test_fsdp_shards_round_trip_and_an_index_or_entry_that_would_run_code_is_ref
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
         checkpoint.load_shards(tmp_path / "bytes", other, other_optimizer, groups)
+
+
+def test_exporting_shards_whose_config_names_its_own_code_is_refused_before_reading(tmp_path):
+    """--export reads a checkpoint's model/ as every model folder is read: a config with auto_map is refused."""
+    model = tmp_path / "step" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+                                                 "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 16,
+                                                 "auto_map": {"AutoModel": "evil.Model"}}))
+    with pytest.raises(models.ModelError, match="needs its own Python code"):
+        checkpoint.export(tmp_path / "step", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
