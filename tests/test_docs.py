@@ -175,3 +175,31 @@ def test_what_documented_commands_run_exists():
                             assert (ROOT / words[1]).is_file(), f"{doc.name}: {command}"
                         checked += 1
     assert checked >= 15, checked
+
+
+def prose_sentences(markdown: str) -> list[str]:
+    """The sentences of a markdown page as rendered: code blocks, comments, tables, headings and images left out,
+    a list item its own paragraph, a link its text, backticks and bold marks dropped."""
+    import re
+
+    markdown = re.sub(r"```.*?```|<!--.*?-->", "", markdown, flags=re.S)
+    paragraphs, lines = [], []
+    for line in markdown.splitlines() + [""]:
+        s = line.strip()
+        if not s or s.startswith(("|", "#", "![", "- ")):
+            if lines:
+                paragraphs.append(" ".join(lines))
+            lines = [s[2:]] if s.startswith("- ") else []
+        else:
+            lines.append(s)
+    rendered = (re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", p).replace("`", "").replace("**", "") for p in paragraphs)
+    return [s for p in rendered for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(-])", p)]
+
+
+def test_readme_sentences_stay_short():
+    """The README is a front page: no sentence over 300 characters as rendered (a long one is split or made a list).
+    The splitter itself is checked on a made-up page: a 400-character sentence is found, two short ones are not."""
+    page = "Short one. " + "X" * 400 + ".\n\n```\n" + "y" * 500 + "\n```\n- a [link](" + "z" * 400 + ") item."
+    assert [len(s) for s in prose_sentences(page) if len(s) > 300] == [401]
+    long = [s for s in prose_sentences((ROOT / "README.md").read_text()) if len(s) > 300]
+    assert not long, [s[:80] for s in long]
