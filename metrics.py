@@ -87,24 +87,36 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
     if mu_seen is not None:
         metrics.update(mismatch_metrics(old_all, mu_seen, mask_seen))
-    if cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0:  # what the entropy controls touched
-        masked = trained = weighted = 0.0
-        for part, _, e in seen:  # per micro-batch, as the loss saw them
-            valid = mask[part]
-            kept = losses.trained_tokens(e, valid, cfg.top_entropy_quantile)
-            masked, trained, weighted = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
-                weighted + float((e * kept).sum())
-        masked, trained, weighted, tokens = world.sum([masked, trained, weighted, float(mask[rows].sum())])
-        metrics["entropy/masked_frac"] = masked / max(tokens, 1)  # the share of tokens without a policy gradient
-        metrics["entropy/bonus"] = cfg.entropy_coef * weighted / max(trained, 1)  # coef x their mean entropy
-    if correction is not None:  # what the correction did: the mean weight, and the units it truncated or dropped
-        level, kind = correction[0].split("_")
-        raw = losses.rollout_ratio(old_all, mu_seen, mask_seen, level)
-        w = losses.bound_rollout_ratio(raw, kind, *correction[1:])
-        units = mask_seen if w.shape == mask_seen.shape else (mask_seen.sum(-1, keepdim=True) > 0).float()
-        metrics["correction/weight_mean"] = losses.masked_mean(w, units)
-        metrics["correction/changed_frac"] = losses.masked_mean((w != raw).float(), units)
+    if cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0:
+        metrics.update(entropy_control_metrics(seen, mask, cfg.top_entropy_quantile, cfg.entropy_coef, world))
+    if correction is not None:
+        metrics.update(correction_metrics(old_all, mu_seen, mask_seen, correction))
     return metrics
+
+
+def entropy_control_metrics(seen: list, mask: Tensor, quantile: float, coef: float, world) -> dict[str, float]:
+    """What the entropy controls touched, per micro-batch as the loss saw them (`seen`, as update_metrics's; mask:
+    the whole rollout's (B, T)): the share of valid tokens --top-entropy-quantile left without a policy gradient
+    (entropy/masked_frac) and the bonus, coef times the trained tokens' mean entropy (entropy/bonus)."""
+    masked = trained = weighted = tokens = 0.0
+    for part, _, e in seen:
+        valid = mask[part]
+        kept = losses.trained_tokens(e, valid, quantile)
+        masked, trained, weighted, tokens = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
+            weighted + float((e * kept).sum()), tokens + float(valid.sum())
+    masked, trained, weighted, tokens = world.sum([masked, trained, weighted, tokens])
+    return {"entropy/masked_frac": masked / max(tokens, 1), "entropy/bonus": coef * weighted / max(trained, 1)}
+
+
+def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, correction: tuple) -> dict[str, float]:
+    """What --rollout-correction did (correction: its mode, C_min, C_max): the mean weight w = pi_old / mu over its
+    units (tokens, or sequences) and the share it truncated or dropped."""
+    level, kind = correction[0].split("_")
+    raw = losses.rollout_ratio(old_logp, sampler_logp, mask, level)
+    w = losses.bound_rollout_ratio(raw, kind, *correction[1:])
+    units = mask if w.shape == mask.shape else (mask.sum(-1, keepdim=True) > 0).float()
+    return {"correction/weight_mean": losses.masked_mean(w, units),
+            "correction/changed_frac": losses.masked_mean((w != raw).float(), units)}
 
 
 def timing(batch, rollout_s: float, update_s: float, lr: float, world) -> dict:
