@@ -203,3 +203,27 @@ def test_readme_sentences_stay_short():
     assert [len(s) for s in prose_sentences(page) if len(s) > 300] == [401]
     long = [s for s in prose_sentences((ROOT / "README.md").read_text()) if len(s) > 300]
     assert not long, [s[:80] for s in long]
+
+
+def test_the_code_the_docs_name_exists():
+    """Every `module.name` of this project in backticks in the README and docs/ (`losses.policy_loss`,
+    `rollout.HeadLogprobs`, `plumbing.checkpoint`, ...) imports and has that attribute, so no page names a function
+    that was renamed or removed. File names (`train.py`, `metrics.jsonl`) are not references."""
+    import importlib
+    import re
+
+    roots = {"train", "losses", "rollout", "rewards", "model", "task", "metrics", "plumbing", "tools", "base"}
+    checked, missing = 0, []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for code in re.findall(r"`([^`\n]+)`", doc.read_text()):
+            for ref in re.findall(r"\b[a-z_]+(?:\.[A-Za-z_]\w*)+", code):
+                parts = ref.split(".")
+                if parts[0] not in roots or parts[-1] in ("py", "jsonl", "json", "md", "png", "csv", "pt"):
+                    continue
+                obj = importlib.import_module(parts[0])
+                for name in parts[1:]:  # an attribute, or a module of a package (plumbing.checkpoint)
+                    package = hasattr(obj, "__path__") and importlib.util.find_spec(f"{obj.__name__}.{name}")
+                    obj = importlib.import_module(f"{obj.__name__}.{name}") if package else getattr(obj, name, None)
+                missing += [f"{doc.name}: {ref}"] if obj is None else []
+                checked += 1
+    assert checked >= 20 and not missing, (checked, missing)
