@@ -227,3 +227,28 @@ def test_the_code_the_docs_name_exists():
                 missing += [f"{doc.name}: {ref}"] if obj is None else []
                 checked += 1
     assert checked >= 20 and not missing, (checked, missing)
+
+
+def test_links_between_the_pages_arrive():
+    """Every relative link of the README and docs/ names a file that exists and, with #anchor, a heading of that page
+    (GitHub's anchor: lower case, punctuation dropped, spaces as hyphens). Checked on a made-up page first."""
+    import os
+    import re
+
+    def anchors(markdown: str) -> set[str]:
+        headings = re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+    assert anchors("# On a GPU: `tests/gpu_check.py`\n```\n# not a heading\n```") == {"on-a-gpu-testsgpu_checkpy"}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken, checked = [], 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            arrives = Path(os.path.normpath(page.parent / path)) if path else page
+            checked += 1
+            if not arrives.exists() or (anchor and arrives.suffix == ".md" and anchor not in anchors(arrives.read_text())):
+                broken.append(f"{page.name}: {target}")
+    assert checked >= 40 and not broken, (checked, broken)
