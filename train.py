@@ -72,7 +72,8 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     num_epochs: int = 1
     """passes over each rollout"""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
-    """pi_old: the sampler's own log-probs or recomputed before the first update; auto: see pi_old_source"""
+    """pi_old: the sampler's own log-probs or recomputed before the first update; auto: the sampler's in fp32,
+    recomputed in bf16 or with --rollout-correction (pi_old_source)"""
     rollout_correction: Literal["off"] | losses.RolloutCorrection = "off"
     """weigh each unit's loss by w = pi_old / mu (mu: the sampler's), capped (truncate) or dropped (mask) outside"""
     rollout_correction_max: float | None = 3.0
