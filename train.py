@@ -95,7 +95,9 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     importance_sampling_level: losses.ImportanceLevel | None = None
     """token: rho_t; sequence: GSPO's s_i; sequence_token: GSPO-token"""
     loss_agg_mode: losses.AggMode | None = None
-    """how per-token losses are summed (losses.aggregate)"""
+    """how per-token losses become the step's loss (losses.aggregate): seq-mean-token-mean, a mean per sequence then
+    over sequences (GRPO, GSPO); token-mean, over every token of the step (DAPO); seq-mean-token-sum-norm, the sum
+    divided by B x max_new_tokens (Dr.GRPO)"""
     epsilon: float | None = None
     """lower clip range: w >= 1 - epsilon"""
     epsilon_high: float | None = None
