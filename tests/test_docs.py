@@ -252,3 +252,20 @@ def test_links_between_the_pages_arrive():
             if not arrives.exists() or (anchor and arrives.suffix == ".md" and anchor not in anchors(arrives.read_text())):
                 broken.append(f"{page.name}: {target}")
     assert checked >= 40 and not broken, (checked, broken)
+
+
+def test_the_wandb_sweep_is_the_local_sweeps_grid():
+    """docs/wandb-sweep.yaml runs the grid `python -m tools.sweep` runs by default: every preset, the same seeds, each
+    parameter a train.py flag."""
+    from dataclasses import fields
+
+    import yaml
+
+    import losses
+    import train
+    from tools import sweep
+
+    spec = yaml.safe_load((ROOT / "docs" / "wandb-sweep.yaml").read_text())
+    assert spec["program"] == "train.py" and set(spec["parameters"]) <= {f.name for f in fields(train.Args)}
+    assert spec["parameters"]["algo"]["values"] == list(losses.PRESETS) == list(sweep.SweepArgs().algos)
+    assert spec["parameters"]["seed"]["values"] == list(sweep.SweepArgs().seeds)
