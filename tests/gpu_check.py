@@ -82,6 +82,14 @@ def run_verdict(returncode: int | None, rows: list[dict], steps: int) -> tuple[b
     return ok, detail
 
 
+def shards_verdict(written: list[str], ranks: int) -> tuple[bool, str]:
+    """A sharded run's last checkpoint (`written`: the names in its shards/): the index torch.distributed.checkpoint
+    writes last (.metadata) and one shard file per rank (__<rank>_0.distcp)."""
+    expected = [".metadata", *(f"__{r}_0.distcp" for r in range(ranks))]
+    ok = all(name in written for name in expected)
+    return ok, f"checkpoint shards: {', '.join(written) or 'none'} (pass: {', '.join(expected)})"
+
+
 def memory_verdict(measured: float, estimate: float) -> tuple[bool, str]:
     ratio = estimate / measured if measured > 0 else float("inf")
     ok = abs(ratio - 1) <= MEMORY_TOLERANCE
@@ -206,7 +214,8 @@ def check_runs(c: Check) -> None:
         if "--fsdp" in cmd:  # the last step's checkpoint: every rank's shards and their index
             shards = c.out / "runs" / run_name / "checkpoints" / f"step-{steps:06d}" / "shards"
             written = sorted(f.name for f in shards.iterdir()) if shards.is_dir() else []
-            ok, detail = ok and ".metadata" in written, f"{detail}, checkpoint shards: {', '.join(written) or 'none'}"
+            saved, shown = shards_verdict(written, int(cmd[cmd.index("--nproc-per-node") + 1]))
+            ok, detail = ok and saved, f"{detail}, {shown}"
         peaks = [(r["perf/peak_memory_gib_min"], r["perf/peak_memory_gib_max"]) for r in rows
                  if "perf/peak_memory_gib_max" in r]
         memory = (f", peak memory per rank {max(p[0] for p in peaks):.2f}-{max(p[1] for p in peaks):.2f} GiB"

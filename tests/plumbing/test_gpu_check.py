@@ -100,3 +100,12 @@ def test_the_fast_subset_runs_to_its_summary_on_a_cpu(tmp_path):
     again = subprocess.run([sys.executable, "tests/gpu_check.py", "--device", "cpu", "--fast", "--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "is not empty" in again.stderr  # results are never overwritten
+
+
+def test_a_sharded_checkpoint_needs_its_index_and_every_ranks_shard():
+    assert gpu_check.shards_verdict([".metadata", "__0_0.distcp", "__1_0.distcp"], 2)[0]
+    assert gpu_check.shards_verdict([".metadata", "__0_0.distcp"], 1)[0]  # one card
+    ok, detail = gpu_check.shards_verdict(["__0_0.distcp", "__1_0.distcp"], 2)  # the index never written
+    assert not ok and "pass: .metadata" in detail
+    assert not gpu_check.shards_verdict([".metadata", "__0_0.distcp"], 2)[0]  # a rank wrote nothing
+    assert not gpu_check.shards_verdict([], 1)[0]
