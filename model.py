@@ -396,22 +396,32 @@ def save_final(model, tokenizer, folder: Path, merge: bool, state: dict | None =
         tokenizer.save_pretrained(folder / "merged")
 
 
+def published_dtype(model) -> torch.dtype:
+    """The dtype a published copy of `model` is written in: the one its own config named when it was loaded, else
+    the one it holds."""
+    return getattr(model, "own_dtype", None) or model.dtype
+
+
+def published_generation_config(model):
+    """The generation config a published copy carries: the model's own (kept by prepare), not the project's."""
+    return getattr(model, "own_generation_config", None) or model.generation_config
+
+
 def as_published(model, folder: Path, state: dict | None = None) -> None:
     """save_pretrained with the model's own generation config, and its weights (`state`, or the model's own) in its
     own dtype (a full model)."""
-    own, ours = getattr(model, "own_generation_config", None), model.generation_config
-    dtype = getattr(model, "own_dtype", None)
-    if dtype is not None and not is_lora(model) and dtype != model.dtype:
+    ours, dtype = model.generation_config, published_dtype(model)
+    if not is_lora(model) and dtype != model.dtype:
         cast = {}  # one copy per storage, so that tied weights stay tied
         state = {k: cast.setdefault(v.untyped_storage().data_ptr(), v.detach().to("cpu", dtype))
                  if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()}
     try:
-        model.generation_config = own or ours
+        model.generation_config = published_generation_config(model)
         model.save_pretrained(folder, state_dict=state)
     finally:
         model.generation_config = ours
     if state is not None:  # the config names the dtype the weights were written in, and the model's own class
-        name_in_config(folder, model, dtype=str(dtype or model.dtype).removeprefix("torch."))
+        name_in_config(folder, model, dtype=str(dtype).removeprefix("torch."))
 
 
 def name_in_config(folder: Path, model, **fields) -> None:

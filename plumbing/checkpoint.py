@@ -75,9 +75,8 @@ def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, shard
     final, tmp = path_of(root, step), temp_path(root, step)
     if sharded:  # what export needs to make the shards a model folder as final/ is: its class, dtype, sampling
         policy.config.save_pretrained(tmp / "model")
-        (getattr(policy, "own_generation_config", None) or policy.generation_config).save_pretrained(tmp / "model")
-        models.name_in_config(tmp / "model", policy, dtype=str(getattr(policy, "own_dtype", None) or policy.dtype)
-                              .removeprefix("torch."))  # the model's own class, not fully_shard's subclass
+        models.published_generation_config(policy).save_pretrained(tmp / "model")
+        models.name_in_config(tmp / "model", policy, dtype=str(models.published_dtype(policy)).removeprefix("torch."))
     else:
         shutil.rmtree(tmp, ignore_errors=True)
         policy.save_pretrained(tmp / "model")
