@@ -177,12 +177,19 @@ def test_what_documented_commands_run_exists():
     assert checked >= 15, checked
 
 
+def without_code(markdown: str) -> str:
+    """The page with its fenced code blocks removed: what is in them is code, not prose, headings or links."""
+    import re
+
+    return re.sub(r"```.*?```", "", markdown, flags=re.S)
+
+
 def prose_sentences(markdown: str) -> list[str]:
     """The sentences of a markdown page as rendered: code blocks, comments, tables, headings and images left out,
     a list item its own paragraph, a link its text, backticks and bold marks dropped."""
     import re
 
-    markdown = re.sub(r"```.*?```|<!--.*?-->", "", markdown, flags=re.S)
+    markdown = re.sub(r"<!--.*?-->", "", without_code(markdown), flags=re.S)
     paragraphs, lines = [], []
     for line in markdown.splitlines() + [""]:
         s = line.strip()
@@ -236,14 +243,14 @@ def test_links_between_the_pages_arrive():
     import re
 
     def anchors(markdown: str) -> set[str]:
-        headings = re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+        headings = re.findall(r"^#+ (.*)$", without_code(markdown), re.M)
         return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
     assert anchors("# On a GPU: `tests/gpu_check.py`\n```\n# not a heading\n```") == {"on-a-gpu-testsgpu_checkpy"}
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken, checked = [], 0
     for page in pages:
-        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+        for target in re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text())):
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
             path, _, anchor = target.partition("#")
