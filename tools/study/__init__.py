@@ -6,7 +6,7 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Seven cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Eight cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
@@ -20,6 +20,8 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
     stale16rep  stale16's two β = 0 arms at seeds 5-9 (new warm starts)      claim 3 at β = 0 replicated
     smollm2prefix  smollm2long's runs made again with --log-prefix-spread     claim 1 inside each sequence, 2a in
               (one more forward pass after each update)                      tokens (issue 49)
+    smollm2prefix1  smollm2prefix's one first step, at seeds 5-9             claim 1 inside each sequence where
+              (each run stops after step 1, its answers still long)          its check can hold
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
@@ -32,6 +34,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     smollm2long: grpo-b0, gspo
     stale16rep: grpo-b0, gspo
     smollm2prefix: grpo-b0, gspo
+    smollm2prefix1: grpo-b0, gspo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

@@ -106,6 +106,18 @@ CLAIMS_1 = [
           f"the ratios move and the sequences are long: mean |log ρ_t| over the long sequences' first "
           f"{max(PREFIX_K)} tokens >= 1e-3 nats, and >= {MANIPULATION['long_rows']} sequences with |y| >= "
           f"{max(PREFIX_K)} in every step of every run", unit="slope", family="smollm2prefix"),
+    # Registered before any smollm2prefix1 run, after 1-within's data: 1-within read "not exercised" because the
+    # policy shortened its answers after step 1 (5 of 30 run-steps with fewer than 4 long sequences), and step 1
+    # alone, read after the data and not registered, gave +0.926 [+0.793, +1.06] (n=5; each run 16-25 long
+    # sequences). The same estimand, prediction and check, on runs that stop after step 1, at new seeds 5-9 (new
+    # samples of the same pretrained start): a test of that reading on data it has not seen.
+    Claim("1-within-step1", "1. inside each sequence the ratio spread grows like √k, SmolLM2 at step 1, seeds 5-9",
+          "GSPO §3-4; seed note 000",
+          "slope b of std_i(S_ik) ∝ k^b as in 1-within, over the one RL step of each run; per seed the mean over "
+          "both arms", "smollm2prefix1: grpo-b0 and gspo, averaged per seed", 0.5,
+          f"as 1-within: mean |log ρ_t| over the long sequences' first {max(PREFIX_K)} tokens >= 1e-3 nats, and >= "
+          f"{MANIPULATION['long_rows']} sequences with |y| >= {max(PREFIX_K)} in every step of every run",
+          unit="slope", family="smollm2prefix1"),
 ]
 
 
@@ -136,29 +148,40 @@ def analyse_1(runs: list[dict], add) -> None:
                                          "not in the estimand)" if set(SUCCESSORS) & set(CELLS[cell][1]) else "") +
             f"; log s_i exponent {fmt_est(log_s)} (i.i.d.: -0.5); each arm's own exponent: {per_arm}")
 
-    # inside each sequence: the prefix sums' slope in log k, per seed the mean over both arms
-    cell, both = "smollm2prefix", ("grpo-b0", "gspo")
+    within(runs, add, "1-within", "smollm2prefix")
+    within(runs, add, "1-within-step1", "smollm2prefix1")
+
+
+def within(runs: list[dict], add, key: str, cell: str) -> None:
+    """Claim 1 inside each sequence: the prefix sums' slope in log k, per seed the mean over both arms."""
+    both = ("grpo-b0", "gspo")
     mine = [r for a in both for r in arm_runs(runs, cell, a)]
     seeds = sorted({r["seed"] for r in mine if all(arm_runs([x for x in mine if x["seed"] == r["seed"]], cell, a)
                                                    for a in both)})
     per_seed = lambda f: [np.mean([f(r) for r in mine if r["seed"] == s]) for s in seeds]  # noqa: E731
     moved = float(np.mean([run_mean(r, "prefix/abs_log_token") for r in mine] or [math.nan]))
     fewest = min((min(series(r, "prefix/n_long")[1], default=0) for r in mine), default=math.nan)
-    repeated = [r["name"] for r in mine if repeats(r, runs)]
     counts = [series(r, "prefix/n_long") for r in mine]
     steps, short = sum(len(n) for _, n in counts), sum(int((n < MANIPULATION["long_rows"]).sum()) for _, n in counts)
     at_1 = [int(n[s == 1][0]) for s, n in counts if (s == 1).any()]
     first_long = f"{min(at_1)}-{max(at_1)}" if at_1 else "n/a"
-    add("1-within", estimate(per_seed(prefix_slope)), moved if mine else math.nan,
+    extra = (f"each arm's slope: " + "; ".join(f"{a} {level([prefix_slope(r) for r in arm_runs(runs, cell, a)])}"
+                                              for a in both) +
+             f"; the comparator, the quartile exponent of the same runs: "
+             f"{fmt_est(estimate(per_seed(length_exponent)))}; ")
+    if cell in SAME_RUNS:
+        repeated = [r["name"] for r in mine if repeats(r, runs)]
+        extra += (f"{len(repeated)} of {len(mine)} runs repeat their {SAME_RUNS[cell]} run's every other metric bit "
+                  f"for bit; {short} of {steps} run-steps had fewer than {MANIPULATION['long_rows']} long sequences "
+                  f"(the policy shortened its answers); at step 1 alone, where every run had {first_long}, the slope "
+                  f"is {fmt_est(estimate(per_seed(lambda r: prefix_slope(r, last=1))))} (read after the data, not "
+                  "registered)")
+    else:
+        extra += f"sequences with |y| >= {max(PREFIX_K)} per run: {first_long}" if steps == len(mine) else \
+            f"{short} of {steps} run-steps had fewer than {MANIPULATION['long_rows']} long sequences"
+    add(key, estimate(per_seed(prefix_slope)), moved if mine else math.nan,
         f"mean |log ρ_t| {moved:.2g} nats; fewest sequences with |y| >= {max(PREFIX_K)} in a step {fewest:.0f}",
-        moved >= MANIPULATION["abs_log"] and fewest >= MANIPULATION["long_rows"],
-        f"each arm's slope: " + "; ".join(f"{a} {level([prefix_slope(r) for r in arm_runs(runs, cell, a)])}"
-                                        for a in both) +
-        f"; the comparator, the quartile exponent of the same runs: {fmt_est(estimate(per_seed(length_exponent)))}; "
-        f"{len(repeated)} of {len(mine)} runs repeat their smollm2long run's every other metric bit for bit; "
-        f"{short} of {steps} run-steps had fewer than {MANIPULATION['long_rows']} long sequences (the policy shortened "
-        f"its answers); at step 1 alone, where every run had {first_long}, the slope is "
-        f"{fmt_est(estimate(per_seed(lambda r: prefix_slope(r, last=1))))} (read after the data, not registered)")
+        moved >= MANIPULATION["abs_log"] and fewest >= MANIPULATION["long_rows"], extra)
 
 
 def repeats(run: dict, runs: list[dict]) -> bool:
@@ -221,17 +244,21 @@ def figure_1_within(runs: list[dict], out: Path) -> dict:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.8))
     points = 0
-    for rs in arms(runs, "smollm2prefix", CELLS["smollm2prefix"][1]):
-        ys = np.log(np.array([prefix_stds(r) for r in rs])).T  # (k, seeds)
-        if not np.isfinite(ys).all():
-            continue
-        points += geometric_band(ax, PREFIX_K, ys, style(rs))
+    for cell, line, label in (("smollm2prefix", None, ", steps 1-3, seeds 0-4"),
+                              ("smollm2prefix1", ":", ", step 1, seeds 5-9")):
+        for rs in arms(runs, cell, CELLS[cell][1]):  # colour: the algorithm; line style: the cell
+            ys = np.log(np.array([prefix_stds(r) for r in rs])).T  # (k, seeds)
+            if not np.isfinite(ys).all():
+                continue
+            look = style(rs)
+            points += geometric_band(ax, PREFIX_K, ys, {**look, "linestyle": line or look["linestyle"],
+                                                        "label": look["label"] + label})
     if ax.get_lines():
         sqrt_line(ax, np.array(PREFIX_K, dtype=float), "k")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(PREFIX_K, [str(k) for k in PREFIX_K])
-    ax.set(title="smollm2prefix: std over the same sequences of Σ (t ≤ k) log ρ_t\n(SmolLM2-135M-Instruct, |y| >= "
+    ax.set(title="smollm2prefix(1): std over the same sequences of Σ (t ≤ k) log ρ_t\n(SmolLM2-135M-Instruct, |y| >= "
                  f"{max(PREFIX_K)})", xlabel="prefix length k (tokens)", ylabel="std (nats), geometric mean over seeds")
     legend_below(fig, [ax])
     return {"claim1_within": (save(fig, out / "claim1_within.png") and points, "spread of the prefix sums of log ρ_t "
@@ -633,7 +660,7 @@ def runs_read(key: str) -> set[tuple[str, str]]:
     """The (cell, arm) runs a row's estimate reads: claim 1 every registered arm of its cell, the others their two
     (a cell made again counts as the runs it repeats)."""
     if key.startswith("1-"):
-        cell = {"1-within": "smollm2prefix"}.get(key, key[2:])
+        cell = {"1-within": "smollm2prefix", "1-within-step1": "smollm2prefix1"}.get(key, key[2:])
         arms = [a for a in CELLS[cell][1] if a not in SUCCESSORS]
     else:
         cell, *arms = CONTRAST_ARMS[key]
@@ -699,7 +726,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "smollm2": "984f7c5: claim 5 where ε_high binds",
             "smollm2long": "8836d10: claims 1 and 2a on SmolLM2 writing its working",
             "smollm2prefix": "issue 49: claim 1 inside each sequence, 2a in tokens",
-            "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9"}
+            "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9",
+            "smollm2prefix1": "claim 1 inside each sequence at step 1, seeds 5-9"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

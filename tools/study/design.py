@@ -72,9 +72,19 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "gspo": ("gspo", {}),
     }),
+    # Claim 1 inside each sequence again, where its check can hold (registered before any of its runs): smollm2prefix
+    # read "not exercised" because the policy shortened its answers after step 1 (5 of 30 run-steps had fewer than 4
+    # sequences of >= 64 tokens; at step 1 every run had 16-25). Its runs stopped after that first step, at new seeds
+    # 5-9. The scheduler's warmup counts optimizer steps, not total steps, so step 1 here is step 1 of a 3-step run
+    # (a probe at seed 0, 1 thread: every metric of step 1 bit for bit; docs/study/protocol.md)
+    "smollm2prefix1": ({"model": "smollm", "num_minibatches": "16", **SMOLLM2_LONG_FLAGS, "log_prefix_spread": True,
+                        "total_steps": "1", "eval_every": "1"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "gspo": ("gspo", {}),
+    }),
 }
 SEEDS = (0, 1, 2, 3, 4)
-REPLICATION_SEEDS = (5, 6, 7, 8, 9)  # stale16rep's
+REPLICATION_SEEDS = (5, 6, 7, 8, 9)  # stale16rep's and smollm2prefix1's
 ALL_SEEDS = SEEDS + REPLICATION_SEEDS
 
 # Run order: a run takes 7-15 min on this CPU, so the order decides what a session's budget buys. Groups run in
@@ -98,6 +108,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("smollm2long", ("grpo-b0", "gspo"), SEEDS)],  # claims 1 and 2a on SmolLM2 (~16 min a run on 1 thread)
     [("smollm2prefix", ("grpo-b0", "gspo"), SEEDS)],  # claim 1 within sequences, 2a in tokens (issue 49)
     [("stale16rep", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 3 at β = 0 replicated (~8 min a run)
+    [("smollm2prefix1", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 1 within sequences at step 1 (~7 min a run)
 ]
 
 
