@@ -727,7 +727,7 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "smollm2long": "8836d10: claims 1 and 2a on SmolLM2 writing its working",
             "smollm2prefix": "issue 49: claim 1 inside each sequence, 2a in tokens",
             "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9",
-            "smollm2prefix1": "claim 1 inside each sequence at step 1, seeds 5-9"}
+            "smollm2prefix1": "3d7bb7e, before any of its runs: claim 1 inside each sequence at step 1, seeds 5-9"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:
