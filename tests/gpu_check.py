@@ -506,13 +506,14 @@ def mismatch_table(device: str, out: Path) -> None:
     out.write_text(
         "# Sampler-trainer mismatch, measured\n\n"
         f"Written by `python tests/gpu_check.py --mismatch --device {device}` ({machine}, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}). One rollout per row group (seed 0, temperature 1): the embedded model on the "
-        "default task, 16 prompts x 8, 64 new tokens; SmolLM2-135M-Instruct on `embedded-add`, 8 prompts x 8, 128 new "
-        "tokens. mu is what the sampler drew from (recorded by `rollout.generate`); pi_old is recomputed by full "
-        "forwards of 8 rows, as `train.py` does with `--old-logprobs recompute` (bf16's default). d = log pi_old - log mu "
-        "per valid token; the quartiles split the 4 x 8-row groups by completion length. `head fp32` is "
-        "`--cast-lm-head-to-fp32`: the rest of each forward in bf16, the head (the last matmul) in fp32, in the "
-        "sampler as in the scoring pass. The same numbers are logged "
+        f"{time.strftime('%Y-%m-%d')}).\n\n"
+        "- One rollout per row group (seed 0, temperature 1): the embedded model on the default task, 16 prompts x 8, "
+        "64 new tokens; SmolLM2-135M-Instruct on `embedded-add`, 8 prompts x 8, 128 new tokens.\n"
+        "- mu: what the sampler drew from (recorded by `rollout.generate`). pi_old: recomputed by full forwards of 8 "
+        "rows, as `train.py` does with `--old-logprobs recompute` (bf16's default).\n"
+        "- d = log pi_old - log mu per valid token; the quartiles split the 4 x 8-row groups by completion length.\n"
+        "- `head fp32` is `--cast-lm-head-to-fp32`: the rest of each forward in bf16, the head (the last matmul) in "
+        "fp32, in the sampler as in the scoring pass.\n\nThe same numbers are logged "
         "every step of a run under `mismatch/` (docs/reference.md).\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
