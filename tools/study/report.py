@@ -109,13 +109,14 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
     smol = {c: sum(r["cell"] == c for r in runs) for c in ("smollm2", "smollm2long", "smollm2prefix", "smollm2prefix1")}
     lines = [README_BEGIN, "",
              f"{len(runs) - sum(smol.values())} runs of the embedded model on `--dataset embedded-long` (correct "
-             f"answers of 20-295 tokens) and {sum(smol.values())} of SmolLM2-135M-Instruct ({smol['smollm2']} on "
-             f"additions for claim 5" + (f", {smol['smollm2long']} writing the long task's working in its own words "
-                                         "for claims 1 and 2a" if smol["smollm2long"] else "") +
-             (f", the same {smol['smollm2prefix']} made again with the prefix sums logged"
+             f"answers of 20-295 tokens) and {sum(smol.values())} of SmolLM2-135M-Instruct. Of those, "
+             f"{smol['smollm2']} ran on additions for claim 5" +
+             (f"; {smol['smollm2long']} wrote the long task's working in their own words for claims 1 and 2a"
+              if smol["smollm2long"] else "") +
+             (f"; the same {smol['smollm2prefix']} were made again with the prefix sums logged"
               if smol["smollm2prefix"] else "") +
-             (f", {smol['smollm2prefix1']} one-step runs at new seeds for claim 1 inside each sequence"
-              if smol["smollm2prefix1"] else "") + ").", "",
+             (f"; {smol['smollm2prefix1']} are one-step runs at new seeds for claim 1 inside each sequence"
+              if smol["smollm2prefix1"] else "") + ".", "",
              f"{len(rows)} verdicts: {counts(rows)}. {shared_text(rows)}", "",
              f"After Holm's correction within each registration's family: {counts(rows, 'holm')}.", "",
              "The verdict table with each prediction, estimate, interval and manipulation check, the smallest "
