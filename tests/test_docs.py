@@ -276,3 +276,25 @@ def test_the_wandb_sweep_is_the_local_sweeps_grid():
     assert spec["program"] == "train.py" and set(spec["parameters"]) <= {f.name for f in fields(train.Args)}
     assert spec["parameters"]["algo"]["values"] == list(losses.PRESETS) == list(sweep.SweepArgs().algos)
     assert spec["parameters"]["seed"]["values"] == list(sweep.SweepArgs().seeds)
+
+
+def short_task_table(csv_text: str) -> str:
+    """docs/short-task.md's single-runs table, built from its committed measurements (docs/short-task-runs.csv)."""
+    import csv
+
+    rows = list(csv.DictReader(line for line in csv_text.splitlines() if not line.startswith("#")))
+    lines = ["| `--algo` | seed | held-out accuracy before → after | gain (points) | minutes (whole command) | peak RSS | "
+             "clip fraction (mean over steps) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gain = 100 * (float(r["after"]) - float(r["before"]))
+        lines.append(f"| `{r['algo']}` | {r['seed']} | {r['before']} → {r['after']} | {gain:+.1f} | "
+                     f"{float(r['wall_s']) / 60:.1f} | {int(r['peak_rss_kb']) / 2**20:.2f} GiB | {float(r['clip_frac_mean']):.3g} |")
+        # (time -v's kbytes are KiB)
+    return "\n".join(lines)
+
+
+def test_the_single_runs_table_is_its_measurements():
+    """The single-runs table of docs/short-task.md is the committed CSV of those runs, not numbers typed twice."""
+    table = short_task_table((ROOT / "docs" / "short-task-runs.csv").read_text())
+    assert table.count("\n") == 8 and "`gspo` | 0 | 0.212 → " in table  # seven presets, header and rule
+    assert table in (ROOT / "docs" / "short-task.md").read_text()
