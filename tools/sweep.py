@@ -237,6 +237,13 @@ def drift(run: dict, key: str, window: int = 10) -> float:
     return float(y[-window:].mean() - y[:window].mean()) if len(y) >= 2 * window else math.nan
 
 
+def heldout_area(run: dict) -> float:
+    """Held-out accuracy averaged over the evaluations after training began: the area under the held-out learning
+    curve, per evaluation (nan with none)."""
+    s, acc = series(run, "eval/accuracy")
+    return float(acc[s > 0].mean()) if (s > 0).any() else math.nan
+
+
 def steps_to(run: dict, threshold: float) -> float:
     """The first evaluated step at which held-out accuracy reaches `threshold` (nan if it never does)."""
     s, acc = series(run, "eval/accuracy")
@@ -297,6 +304,7 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
             "algo": algo, "setting": setting, "runs": len(rs),
             "accuracy_before": float(np.mean([r["summary"]["accuracy_before"] for r in rs])),
             "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": float(np.std(final)),
+            "heldout_accuracy_auc": float(np.mean([heldout_area(r) for r in rs])),
             f"steps_to_{threshold:g}": float(np.nanmean(reach)) if not all(map(math.isnan, reach)) else float("nan"),
             "clip_frac_mean": mean_of("clip/frac"), "token_ratio_var_mean": mean_of("ratio/token_var"),
             "length_change": float(np.mean([drift(r, "charts/completion_len") for r in rs])),
@@ -500,18 +508,21 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3g}" if isinstance(v, float) \
         else str(v)  # noqa: E731
     lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± std) | "
-             f"steps to {threshold:g} | mean clip fraction | mean token-ratio variance | length change | minutes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"held-out accuracy, mean over evaluations | steps to {threshold:g} | mean clip fraction | mean token-ratio variance "
+             "| length change | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['algo']} | {r['setting'] or '-'} | {r['runs']} | {r['accuracy_before']:.3f} | "
                      f"{spread(r['accuracy_after_mean'], r['accuracy_after_std'], r['runs'])} | "
-                     f"{fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
+                     f"{r['heldout_accuracy_auc']:.3f} | {fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
                      f"{fmt(r['token_ratio_var_mean'])} | "
                      f"{'n/a' if math.isnan(r['length_change']) else format(r['length_change'], '+.1f')} | "
                      f"{r['minutes_mean']:.1f} |")
-    lines += ["", "(Clip fraction: of sequences for sequence-level ratios, of tokens otherwise. Length change: mean "
-              "completion length over the last 10 steps minus the first 10, n/a under 20 steps. Steps to the "
-              "threshold: n/a where no evaluation reached it.)", ""] + detail_tables(runs)
+    lines += ["", "(Held-out accuracy, mean over evaluations: every evaluation after training began, averaged, the "
+              "area under the held-out learning curve per evaluation; it tells apart objectives that end alike but "
+              "learn at different speeds. Steps to the threshold: the first evaluated step at or above "
+              "it, n/a where none was; it cannot be finer than --eval-every. Clip fraction: of sequences for "
+              "sequence-level ratios, of tokens otherwise. Length change: mean completion length over the last 10 "
+              "steps minus the first 10, n/a under 20 steps.)", ""] + detail_tables(runs)
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import re
 import subprocess
 import sys
@@ -130,3 +131,12 @@ def test_the_committed_sweep_report_is_what_its_data_makes(tmp_path):
         assert (tmp_path / name).read_text() == (ROOT / "docs" / "sweep" / name).read_text(), name
     readme = (ROOT / "README.md").read_text()  # the README's results table: the same data, by the same code
     assert sweep.readme_table(runs, 0.6) in readme, "README's results table drifted from docs/sweep/data"
+
+
+def test_the_held_out_area_averages_the_evaluations_after_training_began():
+    """The summary's area under the held-out curve: the step-0 evaluation (before training) is left out, a run with
+    no later evaluation has none."""
+    run = {"rows": [{"step": 0, "eval/accuracy": 0.2}, {"step": 5, "charts/accuracy": 0.9},
+                    {"step": 10, "eval/accuracy": 0.5}, {"step": 20, "eval/accuracy": 0.8}]}
+    assert sweep.heldout_area(run) == pytest.approx(0.65)
+    assert math.isnan(sweep.heldout_area({"rows": [{"step": 0, "eval/accuracy": 0.2}]}))
