@@ -73,9 +73,10 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     """passes over each rollout"""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
     """pi_old: the sampler's own log-probs or recomputed before the first update; auto: the sampler's in fp32,
-    recomputed in bf16 or with --rollout-correction (pi_old_source)"""
+    recomputed in bf16 or with --rollout-correction; 1 minibatch x 1 epoch needs neither (every ratio is 1)"""
     rollout_correction: Literal["off"] | losses.RolloutCorrection = "off"
-    """weigh each unit's loss by w = pi_old / mu (mu: the sampler's), capped (truncate) or dropped (mask) outside"""
+    """weigh each unit's loss by w = pi_old / mu (mu: the sampler's), capped (truncate) or dropped (mask) outside
+    [--rollout-correction-min, --rollout-correction-max]"""
     rollout_correction_max: float | None = 3.0
     """C_max of --rollout-correction (TRL's default 3); None: no upper bound"""
     rollout_correction_min: float | None = None

@@ -102,7 +102,7 @@ def help_defaults() -> dict[str, str]:
             "lora_alpha": "(default: 2 x --lora-rank)",
             "run_name": "(default: <algo>[-<model>][-lora<r>][-<dataset>][-np<processes>]-s<seed>, e.g. gspo-s0)",
             "wandb_mode": "(default: online when a W&B API key or login exists, else offline)",
-            "resume": "(default: start a new run)", "wandb_group": "(default: none)",
+            "resume": "(default: start a new run)", "wandb_group": "(default: none)", "wandb_tags": "(default: none)",
             "rollout_correction_min": "(default: no lower bound)",
             "entropy_target": "(default: off; a fixed --entropy-coef)",
             "eval_dataset": "(default: a split of --dataset)"}
