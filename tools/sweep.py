@@ -508,12 +508,13 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3g}" if isinstance(v, float) \
         else str(v)  # noqa: E731
     lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± std) | "
-             f"held-out accuracy, mean over evaluations | steps to {threshold:g} | mean clip fraction | mean token-ratio variance "
-             "| length change | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"held-out accuracy, mean over evaluations | steps to {threshold:g} | mean clip fraction | "
+             "mean token-ratio variance | length change | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['algo']} | {r['setting'] or '-'} | {r['runs']} | {r['accuracy_before']:.3f} | "
                      f"{spread(r['accuracy_after_mean'], r['accuracy_after_std'], r['runs'])} | "
-                     f"{r['heldout_accuracy_auc']:.3f} | {fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
+                     f"{'n/a' if math.isnan(r['heldout_accuracy_auc']) else format(r['heldout_accuracy_auc'], '.3f')} | "
+                     f"{fmt(r[f'steps_to_{threshold:g}'])} | {fmt(r['clip_frac_mean'])} | "
                      f"{fmt(r['token_ratio_var_mean'])} | "
                      f"{'n/a' if math.isnan(r['length_change']) else format(r['length_change'], '+.1f')} | "
                      f"{r['minutes_mean']:.1f} |")
