@@ -212,6 +212,14 @@ def test_readme_sentences_stay_short():
     assert not long, [s[:80] for s in long]
 
 
+def test_docs_sentences_stay_readable():
+    """The pages under docs/ are reference, allowed longer sentences than the README, but none over 450 characters as
+    rendered. The study's summary.md is left out: its verdict rows are generated, one sentence of numbers each."""
+    pages = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p != ROOT / "docs" / "study" / "summary.md"]
+    long = [(p.name, len(s), s[:60]) for p in pages for s in prose_sentences(p.read_text()) if len(s) > 450]
+    assert len(pages) >= 7 and not long, long
+
+
 def test_the_code_the_docs_name_exists():
     """Every `module.name` of this project in backticks in the README and docs/ (`losses.policy_loss`,
     `rollout.HeadLogprobs`, `plumbing.checkpoint`, ...) imports and has that attribute, so no page names a function
