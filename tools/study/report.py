@@ -80,9 +80,9 @@ def families_text(rows: list[dict]) -> str:
         if mine:
             parts.append(f"{family} ({what}): {len(mine)} claim{'s' * (len(mine) != 1)}, "
                          f"{mine[0]['family_tests']} test{'s' * (mine[0]['family_tests'] != 1)}")
-    return ("Holm's correction runs within each family, the claims one registration added (fixed when registered; "
-            "the families before issue 49 are its registration commits, read from the history afterwards): "
-            + "; ".join(parts) + ".")
+    return ("Holm's correction runs within each family, the claims one registration added. A family is fixed when "
+            "registered; the families before issue 49 are its registration commits, read from the history "
+            "afterwards.\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
 def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
