@@ -106,6 +106,7 @@ def grid_runs(runs: list[dict]) -> list[dict]:
 def readme_section(runs: list[dict], rows: list[dict]) -> str:
     """The README's study section: what was run, the verdicts' count, the headline figure, the link to the table."""
     runs = grid_runs(runs)
+    horizons = [max(row["step"] for row in r["rows"]) for r in runs] or [0]  # each run's RL steps
     smol = {c: sum(r["cell"] == c for r in runs) for c in ("smollm2", "smollm2long", "smollm2prefix", "smollm2prefix1")}
     lines = [README_BEGIN, "",
              f"{len(runs) - sum(smol.values())} runs of the embedded model on `--dataset embedded-long` (correct "
@@ -122,8 +123,8 @@ def readme_section(runs: list[dict], rows: list[dict]) -> str:
              "The verdict table with each prediction, estimate, interval and manipulation check, the smallest "
              "detectable effects and one figure per claim: [docs/study/summary.md](docs/study/summary.md).", "",
              "![each claim's estimate and interval against its prediction](docs/study/claims.png)", "",
-             "A 0.67M-parameter model (and a 135M one), 3 to 120 steps and one task each are far from the papers' "
-             "models and thousands of steps: these verdicts are about these regimes.", "",
+             f"A 0.67M-parameter model (and a 135M one), {min(horizons)} to {max(horizons)} steps and one task each "
+             "are far from the papers' models and thousands of steps: these verdicts are about these regimes.", "",
              README_END]
     return "\n".join(lines)
 
