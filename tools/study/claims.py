@@ -523,13 +523,14 @@ def analyse_5(runs: list[dict], add) -> None:
     add("5-entropy", paired({s: math.log(v) for s, v in ent["dapo"].items()},
                             {s: math.log(v) for s, v in ent["dapo-eh0.2"].items()}), differs,
         f"clip outcome differs for {differs:.2%} of tokens", differs >= MANIPULATION["clip_differs"],
-        "".join(f"probe {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
-                f"{clip_differs(r):.2%} of tokens (step 1: {clip_differs(r, 1, 1):.2%}; entropy {run_mean(r, 'losses/entropy'):.2g} nats/token, held-out "
-                f"accuracy {r['rows'][0]['eval/accuracy']:.2f} -> {final_accuracy(r):.2f} on 8 problems); "
-                for r in runs if r["cell"] == "probe") +
         f"entropy DAPO {level(ent['dapo'].values())}, ε_high 0.2 "
         f"{level(ent['dapo-eh0.2'].values())} nats/token; final accuracy difference "
-        f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}")
+        f"{fmt_est(paired(fin['dapo'], fin['dapo-eh0.2']))}. The probes, each looking for a regime where ε_high binds:"
+        + "".join(f"\n  - {r['name']} ({probe_regime(r)}, {len(r['rows']) - 1} steps): clip outcome differs for "
+                  f"{clip_differs(r):.2%} of tokens (step 1: {clip_differs(r, 1, 1):.2%}); entropy "
+                  f"{run_mean(r, 'losses/entropy'):.2g} nats/token; held-out accuracy "
+                  f"{r['rows'][0]['eval/accuracy']:.2f} -> {final_accuracy(r):.2f} on 8 problems"
+                  for r in runs if r["cell"] == "probe"))
 
     # smollm2: GRPO β=0 with and without clip-higher, where ε_high binds; the check at step 1, the shared rollout
     later = SMOLLM2_STEPS // 2 + 1
