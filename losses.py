@@ -588,6 +588,7 @@ class AdaptiveEntropy:
     low: float = 0.0
     high: float = 1.0
     window: tuple = (0.0, 0.0)  # this step's (sum of H over trained tokens, their count), so far
+    bonus: tuple = (0.0, 0.0)  # since the last logs: (sum over optimizer steps of applied c x entropy sum, tokens)
 
     def applied(self) -> float:
         return self.coef if self.last_entropy <= self.target else 0.0
@@ -604,9 +605,17 @@ class AdaptiveEntropy:
     def end_step(self, total=lambda v: v) -> None:
         """After an optimizer step; `total` sums a list over processes (World.sum)."""
         entropy_sum, count = total(list(self.window))
+        self.bonus = (self.bonus[0] + self.applied() * entropy_sum, self.bonus[1] + count)  # what this step's loss added
         self.last_entropy, self.window = entropy_sum / max(count, 1.0), (0.0, 0.0)
         step = self.delta if self.last_entropy <= self.target else -self.delta
         self.coef = min(max(self.coef + step, self.low), self.high)
+
+    def logged(self) -> dict[str, float]:
+        """For the logs after an update: the coefficient now, and the bonus its optimizer steps applied (each step's
+        applied c times its trained tokens' entropy, over all their tokens: entropy/bonus, as with a fixed
+        --entropy-coef); the bonus's sums start again."""
+        (weighted, tokens), self.bonus = self.bonus, (0.0, 0.0)
+        return {"entropy/coef": self.coef, "entropy/bonus": weighted / max(tokens, 1.0)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -335,6 +335,18 @@ def test_adaptive_entropy_control_equals_trl_step_by_step():
     assert control.coef != coef0
 
 
+def test_adaptive_entropy_logs_the_bonus_its_steps_applied():
+    """entropy/bonus under --entropy-target: each optimizer step's applied coefficient (0 at the first: no entropy seen
+    yet) times its trained tokens' entropy, over all their tokens; the sums start again after each log."""
+    control = losses.AdaptiveEntropy(0.1, target=1.0, delta=0.02)
+    trained = torch.ones(2, 3)
+    for level in (0.5, 0.8):  # both below the target: the bonus applies from the second step, at 0.1 + 0.02
+        control.observe(torch.full((2, 3), level), trained)
+        control.end_step()
+    assert control.logged() == {"entropy/coef": pytest.approx(0.14), "entropy/bonus": pytest.approx(0.12 * 0.8 * 6 / 12)}
+    assert control.logged()["entropy/bonus"] == 0.0  # nothing since the last log
+
+
 def test_adaptive_entropy_state_survives_a_resume(tmp_path, tiny_policy_dir):
     """--entropy-target: a run stopped after step 1 and resumed logs what the uninterrupted run logs (the controller's
     coefficient and last entropy are in the checkpoint)."""
@@ -345,5 +357,6 @@ def test_adaptive_entropy_state_survives_a_resume(tmp_path, tiny_policy_dir):
     (tmp_path / "cut" / "dapo-s0" / "summary.json").unlink()
     train.train(train.Args(**{**common, "output_dir": str(tmp_path / "cut"), "total_steps": 2, "resume": "auto"}))
     rows = [[json.loads(line) for line in (tmp_path / d / "dapo-s0" / "metrics.jsonl").open()] for d in ("whole", "cut")]
-    assert [r.get("entropy/coef") for r in rows[0]] == [r.get("entropy/coef") for r in rows[1]]
-    assert rows[0][-1]["entropy/coef"] > 0  # the controller moved
+    assert [(r.get("entropy/coef"), r.get("entropy/bonus")) for r in rows[0]] == \
+        [(r.get("entropy/coef"), r.get("entropy/bonus")) for r in rows[1]]
+    assert rows[0][-1]["entropy/coef"] > 0 and rows[0][-1]["entropy/bonus"] > 0  # the controller moved and applied
