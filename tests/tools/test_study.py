@@ -189,7 +189,10 @@ def test_a_synthetic_study_with_every_effect_built_in_reproduces_every_claim(tmp
 def test_the_data_decides_each_verdict():
     flat = synthetic_study(**{a: {"length_power": 0.0} for a in ("grpo-b0", "gspo", "grpo-b0-sumnorm", "dr_grpo",
                                                                   "dapo", "dapo-eh0.2", "grpo", "gspo-b0.04")})
-    verdicts = {r["key"]: r["verdict"] for r in study.judge(flat)}
+    judged = {r["key"]: r for r in study.judge(flat)}
+    verdicts = {k: r["verdict"] for k, r in judged.items()}
+    assert "lies below 0.5, the i.i.d. slope: the spread grows slower than √k" in judged["1-within-step1"]["extra"]
+    assert "lies above 0.5" in {r["key"]: r for r in study.judge(synthetic_study())}["1-within-step1"]["extra"]  # 0.6
     for key in ("1-base", "1-stale16"):  # no growth with length: whichever side of 0 the estimate falls (its true
         # value is 0), the predicted growth is excluded
         assert verdicts[key] in ("predicted effect excluded, no effect not excluded", "opposite",

@@ -179,9 +179,15 @@ def within(runs: list[dict], add, key: str, cell: str) -> None:
     else:
         extra += f"sequences with |y| >= {max(PREFIX_K)} per run: {first_long}" if steps == len(mine) else \
             f"{short} of {steps} run-steps had fewer than {MANIPULATION['long_rows']} long sequences"
-    add(key, estimate(per_seed(prefix_slope)), moved if mine else math.nan,
+    est = estimate(per_seed(prefix_slope))
+    passed = moved >= MANIPULATION["abs_log"] and fewest >= MANIPULATION["long_rows"]
+    if passed and est.n >= 2 and not (est.lo <= 0.5 <= est.hi):  # the interval against the i.i.d. rate itself
+        extra += (f"; the interval lies {'above' if est.lo > 0.5 else 'below'} 0.5, the i.i.d. slope: the spread grows "
+                  f"{'faster' if est.lo > 0.5 else 'slower'} than √k (the token log-ratios of a sequence move "
+                  f"{'together' if est.lo > 0.5 else 'against each other'})")
+    add(key, est, moved if mine else math.nan,
         f"mean |log ρ_t| {moved:.2g} nats; fewest sequences with |y| >= {max(PREFIX_K)} in a step {fewest:.0f}",
-        moved >= MANIPULATION["abs_log"] and fewest >= MANIPULATION["long_rows"], extra)
+        passed, extra)
 
 
 def repeats(run: dict, runs: list[dict]) -> bool:
