@@ -315,7 +315,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         after = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, chunk=args.logprob_chunk),
                            everything, mb_size, args.micro_batch_size, world)
         diag.update(metrics.prefix_spread(*world.gather_rows(after, old_logp, mask)))
-    control = {} if entropy_control is None else entropy_control.logged()  # the coefficient, the bonus it applied
+    control = {} if entropy_control is None else entropy_control.logged()  # its bonus replaces diag's fixed-coef one
     return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
 
 
