@@ -60,7 +60,7 @@ def rollout_metrics(batch, adv: torch.Tensor, g: int, drawn_correct: torch.Tenso
 
 def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tensor, mask: torch.Tensor,
                    cfg: losses.LossConfig, world, mu: torch.Tensor | None = None,
-                   correction: tuple | None = None, study: bool = False) -> dict:
+                   correction: tuple | None = None, study: bool = False, adaptive_entropy: bool = False) -> dict:
     """The GSPO paper's diagnostics over every row scored during the update (on every rank), each against pi_old:
     the statistics of the ratios the objective actually saw. `seen`: (rows, log-probs, entropy or None) per
     micro-batch; old_logp None means on-policy (the ratio is 1; the entropy is the one scored during the update),
@@ -87,17 +87,19 @@ def update_metrics(seen: list, old_logp, old_entropy, ref_logp, adv: torch.Tenso
         metrics["losses/kl_ref"] = losses.masked_mean(kl, mask_seen)
     if mu_seen is not None:
         metrics.update(mismatch_metrics(old_all, mu_seen, mask_seen))
-    if cfg.top_entropy_quantile < 1.0 or cfg.entropy_coef != 0.0:
-        metrics.update(entropy_control_metrics(seen, mask, cfg.top_entropy_quantile, cfg.entropy_coef, world))
+    fixed_coef = None if adaptive_entropy else cfg.entropy_coef  # --entropy-target's bonus: AdaptiveEntropy.logged
+    if cfg.top_entropy_quantile < 1.0 or fixed_coef:
+        metrics.update(entropy_control_metrics(seen, mask, cfg.top_entropy_quantile, fixed_coef, world))
     if correction is not None:
         metrics.update(correction_metrics(old_all, mu_seen, mask_seen, correction))
     return metrics
 
 
-def entropy_control_metrics(seen: list, mask: Tensor, quantile: float, coef: float, world) -> dict[str, float]:
+def entropy_control_metrics(seen: list, mask: Tensor, quantile: float, coef: float | None, world) -> dict[str, float]:
     """What the entropy controls touched, per micro-batch as the loss saw them (`seen`, as update_metrics's; mask:
     the whole rollout's (B, T)): the share of valid tokens --top-entropy-quantile left without a policy gradient
-    (entropy/masked_frac) and the bonus, coef times the trained tokens' mean entropy (entropy/bonus)."""
+    (entropy/masked_frac) and, with a fixed coefficient (`coef` not None), the bonus: coef times the trained tokens'
+    mean entropy (entropy/bonus)."""
     masked = trained = weighted = tokens = 0.0
     for part, _, e in seen:
         valid = mask[part]
@@ -105,7 +107,8 @@ def entropy_control_metrics(seen: list, mask: Tensor, quantile: float, coef: flo
         masked, trained, weighted, tokens = masked + float((valid - kept).sum()), trained + float(kept.sum()), \
             weighted + float((e * kept).sum()), tokens + float(valid.sum())
     masked, trained, weighted, tokens = world.sum([masked, trained, weighted, tokens])
-    return {"entropy/masked_frac": masked / max(tokens, 1), "entropy/bonus": coef * weighted / max(trained, 1)}
+    logged = {"entropy/masked_frac": masked / max(tokens, 1)}
+    return logged if coef is None else {**logged, "entropy/bonus": coef * weighted / max(trained, 1)}
 
 
 def correction_metrics(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, correction: tuple) -> dict[str, float]:

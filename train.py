@@ -310,12 +310,13 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                 entropy_control.after_step(step.seen, mask, cfg.top_entropy_quantile, world.sum)
     on_policy = source == "on-policy"
     diag = metrics.update_metrics(log.seen, None if on_policy else old_logp, None if on_policy else old_entropy, ref_logp,
-                                  adv, mask, cfg, world, mu, correction, args.log_study_metrics)  # PLUMBING: the logs
+                                  adv, mask, cfg, world, mu, correction, args.log_study_metrics,
+                                  entropy_control is not None)  # PLUMBING: the logs
     if args.log_prefix_spread and not on_policy:  # the study's: every row once more, under the updated policy
         after = score_rows(lambda rows: rollout.logprobs(policy, ro, rows, args.temperature, chunk=args.logprob_chunk),
                            everything, mb_size, args.micro_batch_size, world)
         diag.update(metrics.prefix_spread(*world.gather_rows(after, old_logp, mask)))
-    control = {} if entropy_control is None else entropy_control.logged()  # its bonus replaces diag's fixed-coef one
+    control = {} if entropy_control is None else entropy_control.logged()  # the coefficient, the bonus it applied
     return {**log.metrics(), "losses/entropy": diag.pop("losses/entropy"), **diag, **control}
 
 

@@ -347,6 +347,22 @@ def test_adaptive_entropy_logs_the_bonus_its_steps_applied():
     assert control.logged()["entropy/bonus"] == 0.0  # nothing since the last log
 
 
+def test_update_metrics_leave_the_adaptive_bonus_to_the_controller():
+    """With a fixed --entropy-coef the update's metrics log its bonus; under --entropy-target the coefficient moves
+    every optimizer step, so they log none of their own (the controller's is AdaptiveEntropy.logged's)."""
+    import metrics
+    from plumbing.ddp import SINGLE
+
+    gen = torch.Generator().manual_seed(0)
+    logp, mask = -torch.rand(4, 5, generator=gen), torch.ones(4, 5)
+    seen = [(torch.arange(4), logp, torch.rand(4, 5, generator=gen))]
+    cfg = replace(PRESETS["dapo"], entropy_coef=0.1)
+    for adaptive in (False, True):
+        m = metrics.update_metrics(seen, logp, torch.rand(4, 5), None, torch.randn(4), mask, cfg, SINGLE,
+                                   adaptive_entropy=adaptive)
+        assert ("entropy/bonus" in m) != adaptive and (m.get("entropy/bonus", 1.0) > 0)
+
+
 def test_adaptive_entropy_state_survives_a_resume(tmp_path, tiny_policy_dir):
     """--entropy-target: a run stopped after step 1 and resumed logs what the uninterrupted run logs (the controller's
     coefficient and last entropy are in the checkpoint)."""
