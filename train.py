@@ -86,7 +86,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     lr_scheduler: str = "constant_with_warmup"
     """any transformers scheduler name (linear, cosine, constant_with_warmup, ...)"""
     warmup_steps: int = 8
-    """optimizer steps of linear warmup"""
+    """optimizer steps of linear warmup from 0 (transformers' schedules: the first optimizer step has learning rate 0)"""
     weight_decay: float = 0.0
     """AdamW weight decay (decoupled from the gradient)"""
     max_grad_norm: float = 1.0
