@@ -332,6 +332,26 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys, tiny
     assert [r["losses/skipped_updates"] for r in rows if r["step"] > 0] == [2, 2]
 
 
+def test_the_watch_warns_on_streaks_only_and_counts_only_fully_skipped_steps(capsys):
+    """lifecycle.Watch's thresholds, step by step: the cut-off warning needs more than half truncated in 3 steps in a
+    row (a step at 0.5 or below resets the streak) and prints once; a step stops the streak of non-finite steps
+    unless every one of its updates was skipped."""
+    watch = lifecycle.Watch(limit=2, updates_per_step=4, answer_format="tags", max_new_tokens=7, reference="3")
+    step = lambda frac, skipped=0, acc=0.5: {"charts/truncated_frac": frac, "losses/skipped_updates": skipped,  # noqa: E731
+                                            "charts/accuracy": acc}
+    for i, frac in enumerate([0.6, 0.6, 0.5, 0.9, 0.9], 1):
+        watch.check(i, step(frac))
+    assert "hit --max-new-tokens" not in capsys.readouterr().out  # 2, reset at 0.5, then 2
+    for i in (6, 7):
+        watch.check(i, step(0.51))
+    assert capsys.readouterr().out.count("hit --max-new-tokens 7 in each of the last 3 steps") == 1  # at step 6
+    watch.check(8, step(0.0, skipped=4))
+    watch.check(9, step(0.0, skipped=3))  # one update of four was taken: the streak ends
+    watch.check(10, step(0.0, skipped=4))
+    with pytest.raises(lifecycle.NonFiniteError, match="2 steps in a row .*last finite step: 9"):
+        watch.check(11, step(0.0, skipped=4))
+
+
 def degenerate_batches():
     """(name, logp, old, advantages, mask) for batches that must not produce NaN or inf anywhere."""
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,103 @@
+"""What a step logs equals its definition: each metric of the update (losses.ratio_diagnostics) and of the rollout
+(metrics.rollout_metrics, metrics.timing) against a plain-Python recomputation, unit by unit, on a small batch whose
+rows have different lengths. Elsewhere these keys are only checked to be finite; the study reads several of them
+(ratio/abs_log_* is its manipulation check, ratio/seq_logsum_var claim 1's quantity)."""
+
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import losses
+import metrics
+from losses import PRESETS
+from plumbing.ddp import SINGLE
+
+LENGTHS = [5, 2, 6, 0, 3]  # row 3 has no valid token (every metric leaves it out)
+
+
+def batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, t = len(LENGTHS), max(LENGTHS)
+    mask = torch.tensor([[1.0] * n + [0.0] * (t - n) for n in LENGTHS], dtype=torch.float64)
+    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 2
+    logp = old + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.5  # ratios well outside 1 +- 0.2
+    adv = torch.tensor([1.0, -1.0, -0.5, 2.0, 0.7], dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def pvar(xs):
+    m = mean(xs)
+    return sum((x - m) ** 2 for x in xs) / len(xs)
+
+
+def clipped(w, a, eps, eps_high):  # PPO's rule, as the papers state it: the min takes the clipped term
+    return (a < 0 and w < 1 - eps) or (a > 0 and w > 1 + eps_high)
+
+
+@pytest.mark.parametrize("algo", ["dapo", "gspo"])
+def test_ratio_diagnostics_equal_their_definitions(algo):
+    logp, old, adv, mask = batch()
+    cfg = replace(PRESETS[algo], epsilon=0.2, epsilon_high=0.28)  # gspo's own 3e-4 would clip every sequence
+    diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
+    rows = [i for i, n in enumerate(LENGTHS) if n]
+    l = {i: [float(logp[i, t] - old[i, t]) for t in range(LENGTHS[i])] for i in rows}  # token log-ratios l_it
+    tokens = [(x, float(adv[i]), i) for i in rows for x in l[i]]
+    log_s = {i: mean(l[i]) for i in rows}  # log of GSPO's s_i
+    tok_low = sum(clipped(math.exp(x), a, 0.2, 0.28) and a < 0 for x, a, _ in tokens) / len(tokens)
+    tok_high = sum(clipped(math.exp(x), a, 0.2, 0.28) and a > 0 for x, a, _ in tokens) / len(tokens)
+    seq_clipped = [i for i in rows if clipped(math.exp(log_s[i]), float(adv[i]), 0.2, 0.28)]
+    want = {
+        "ratio/token_mean": mean([math.exp(x) for x, _, _ in tokens]),
+        "ratio/token_var": pvar([math.exp(x) for x, _, _ in tokens]),
+        "ratio/seq_mean": mean([math.exp(log_s[i]) for i in rows]),
+        "ratio/seq_var": pvar([math.exp(log_s[i]) for i in rows]),
+        "ratio/seq_logsum_var": pvar([sum(l[i]) for i in rows]),
+        "ratio/abs_log_token": mean([abs(x) for x, _, _ in tokens]),
+        "ratio/abs_log_seq": mean([abs(log_s[i]) for i in rows]),
+        "clip/token_low": tok_low, "clip/token_high": tok_high, "clip/token_frac": tok_low + tok_high,
+        "clip/seq_low": sum(adv[i] < 0 for i in seq_clipped) / len(rows),
+        "clip/seq_high": sum(adv[i] > 0 for i in seq_clipped) / len(rows),
+        "clip/seq_frac": len(seq_clipped) / len(rows),
+        "clip/seq_token_frac": sum(LENGTHS[i] for i in seq_clipped) / len(tokens),
+        "approx_kl": mean([math.exp(x) - 1 - x for x, _, _ in tokens]),
+    }
+    want["clip/frac"] = want["clip/token_frac" if algo == "dapo" else "clip/seq_frac"]  # at the objective's level
+    assert 0 < want["clip/token_low"] and 0 < want["clip/token_high"] and 0 < want["clip/seq_frac"] < 1  # all exercised
+    assert diag == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_rollout_metrics_equal_their_definitions():
+    """Two groups of 3 drawn and kept, one group dropped by dynamic sampling (all wrong): rewards, correctness,
+    lengths and advantages of the kept rows; group fractions over every group drawn."""
+    reward = [1.1, 0.0, 1.0, 0.5, 0.5, 0.5]
+    correct = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    lengths, truncated = [4, 9, 6, 12, 12, 3], [0, 1, 0, 1, 1, 0]
+    ro = SimpleNamespace(lengths=torch.tensor(lengths), truncated=torch.tensor(truncated).bool())
+    b = SimpleNamespace(ro=ro, scores={"reward": reward, "correct": correct, "format": [1.0, 0, 1, 0, 1, 0]})
+    adv = torch.tensor([0.5, -1.0, 0.5, 0.0, 0.0, 0.0])
+    drawn = torch.tensor([[1.0, 0, 1], [0, 0, 0], [0, 0, 0]])  # groups drawn: the first two kept, the third dropped
+    m = metrics.rollout_metrics(b, adv, 3, drawn, 9, 3, SINGLE, mask_truncated=True)
+    assert m == pytest.approx({
+        "dynamic/drawn": 9, "dynamic/dropped": 3,
+        "charts/all_wrong_group_frac": 2 / 3, "charts/all_right_group_frac": 0.0,
+        "charts/reward": mean(reward), "charts/reward_std": math.sqrt(pvar(reward) * 6 / 5),  # unbiased, as torch's
+        "charts/accuracy": 2 / 6, "charts/zero_std_group_frac": 1 / 2,
+        "charts/completion_len": mean(lengths), "charts/completion_len_min": 3, "charts/completion_len_max": 12,
+        "charts/truncated_frac": 3 / 6, "charts/masked_frac": 3 / 6, "charts/advantage_abs": 2 / 6,
+        "rewards/correct": 2 / 6, "rewards/format": 3 / 6,
+        "charts/len_correct": 5.0, "charts/len_incorrect": (9 + 12 + 12 + 3) / 4,
+    }, rel=1e-6)
+
+
+def test_timing_divides_generated_tokens_by_the_rollout_time():
+    b = SimpleNamespace(ro=SimpleNamespace(lengths=torch.tensor([10, 30])))
+    m = metrics.timing(b, rollout_s=2.0, update_s=5.0, lr=1e-5, world=SINGLE)
+    assert m["perf/gen_tokens_per_s"] == 20.0 and m["perf/rollout_s"] == 2.0 and m["perf/update_s"] == 5.0
+    assert m["charts/lr"] == 1e-5 and m["perf/peak_memory_gib_min"] == m["perf/peak_memory_gib_max"] > 0
