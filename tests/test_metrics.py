@@ -1,4 +1,5 @@
-"""What a step logs equals its definition: each metric of the update (losses.ratio_diagnostics) and of the rollout
+"""What a step logs equals its definition: each metric of the update (losses.ratio_diagnostics, the KL to the
+reference, the sampler-trainer mismatch, the rollout correction, the length buckets) and of the rollout
 (metrics.rollout_metrics, metrics.timing) against a plain-Python recomputation, unit by unit, on a small batch whose
 rows have different lengths. Elsewhere these keys are only checked to be finite; the study reads several of them
 (ratio/abs_log_* is its manipulation check, ratio/seq_logsum_var claim 1's quantity)."""
@@ -101,3 +102,77 @@ def test_timing_divides_generated_tokens_by_the_rollout_time():
     m = metrics.timing(b, rollout_s=2.0, update_s=5.0, lr=1e-5, world=SINGLE)
     assert m["perf/gen_tokens_per_s"] == 20.0 and m["perf/rollout_s"] == 2.0 and m["perf/update_s"] == 5.0
     assert m["charts/lr"] == 1e-5 and m["perf/peak_memory_gib_min"] == m["perf/peak_memory_gib_max"] > 0
+
+
+def test_update_metrics_kl_to_the_reference_is_k3_over_the_scored_tokens():
+    logp, old, adv, mask = batch()
+    ref = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.4
+    seen = [(torch.tensor([3, 0, 4]), logp[[3, 0, 4]], None), (torch.tensor([1, 2]), logp[[1, 2]], None)]
+    m = metrics.update_metrics(seen, old, torch.zeros_like(old), ref, adv, mask, PRESETS["grpo"], SINGLE)
+    k3 = [math.exp(x) - x - 1 for i, n in enumerate(LENGTHS) for x in (ref[i, :n] - logp[i, :n]).tolist()]
+    assert m["losses/kl_ref"] == pytest.approx(mean(k3), rel=1e-12)
+
+
+def test_mismatch_metrics_equal_their_definitions():
+    """d_it = log pi_old - log mu: |d| mean and max, k3 of KL(mu || pi_old), the sequences' mean d (std with
+    Bessel's correction, as torch's), and the shares beyond 0.2 (tokens) and 3e-4 (sequences)."""
+    logp, old, _, mask = batch()
+    mask[3, 0] = 1.0  # every row has a valid token (a sequence of none would count as mean d 0)
+    lengths = [max(n, 1) for n in LENGTHS]
+    d = {i: [float(old[i, t] - logp[i, t]) * 0.5 for t in range(n)] for i, n in enumerate(lengths)}
+    sampler = old - (old - logp) * 0.5
+    m = metrics.mismatch_metrics(old, sampler, mask)
+    flat, seq = [x for xs in d.values() for x in xs], [mean(xs) for xs in d.values()]
+    assert m == pytest.approx({
+        "mismatch/abs_mean": mean([abs(x) for x in flat]), "mismatch/abs_max": max(abs(x) for x in flat),
+        "mismatch/kl_k3": mean([math.exp(x) - 1 - x for x in flat]),
+        "mismatch/seq_std": math.sqrt(pvar(seq) * len(seq) / (len(seq) - 1)),
+        "mismatch/seq_abs_max": max(abs(s) for s in seq),
+        "mismatch/token_frac": sum(abs(x) > 0.2 for x in flat) / len(flat),
+        "mismatch/seq_frac": sum(abs(s) > 3e-4 for s in seq) / len(seq),
+    }, rel=1e-6)  # the shares are float32 means
+    assert 0 < m["mismatch/token_frac"] < 1
+
+
+@pytest.mark.parametrize("mode,c_min", [("token_truncate", 0.7), ("token_mask", 0.7), ("sequence_mask", None)])
+def test_correction_metrics_equal_their_definitions(mode, c_min):
+    """w = pi_old / mu per token, or per sequence as the product of its token ratios; truncate clamps it to
+    [C_min, C_max], mask sets it to 0 outside; logged: the mean w over the units and the share it changed."""
+    logp, old, _, mask = batch()
+    rows = [i for i, n in enumerate(LENGTHS) if n]
+    level, kind = mode.split("_")
+    if level == "token":
+        raw = [math.exp(float(old[i, t] - logp[i, t])) for i in rows for t in range(LENGTHS[i])]
+    else:  # every row is a unit here, the empty one with ratio 1
+        raw = [math.exp(float((old[i, :n] - logp[i, :n]).sum())) for i, n in enumerate(LENGTHS)]
+    low, high = c_min if c_min is not None else -math.inf, 3.0
+    w = [min(max(r, low), high) if kind == "truncate" else (r if low <= r <= high else 0.0) for r in raw]
+    m = metrics.correction_metrics(old, logp, mask, (mode, c_min, 3.0))
+    if level == "sequence":
+        w, raw = [x for x, n in zip(w, LENGTHS) if n], [x for x, n in zip(raw, LENGTHS) if n]
+    changed = sum(a != b for a, b in zip(w, raw)) / len(w)
+    assert 0 < changed < 1
+    assert m == pytest.approx({"correction/weight_mean": mean(w), "correction/changed_frac": changed}, rel=1e-9)
+
+
+def test_length_buckets_sort_rows_by_length_and_spread_within_each():
+    """Four quartiles of |y| (two rows each here): mean length, and the std (Bessel's) of sum_t l_it and of log s_i."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = [7, 1, 4, 8, 2, 6, 3, 5]
+    mask = torch.tensor([[1.0] * n + [0.0] * (8 - n) for n in lengths], dtype=torch.float64)
+    old = -torch.rand(8, 8, generator=gen, dtype=torch.float64)
+    logp = old + torch.randn(8, 8, generator=gen, dtype=torch.float64) * 0.2
+    l = [[float(logp[i, t] - old[i, t]) for t in range(n)] for i, n in enumerate(lengths)]
+    std = lambda a, b: abs(a - b) / math.sqrt(2)  # noqa: E731  the sample std of two numbers
+    want = []
+    for pair in ([1, 4], [6, 2], [7, 5], [0, 3]):  # rows by length: 1, 2 | 3, 4 | 5, 6 | 7, 8
+        i, j = pair
+        want.append({"len": (lengths[i] + lengths[j]) / 2, "std_logsum": std(sum(l[i]), sum(l[j])),
+                     "std_log_s": std(mean(l[i]), mean(l[j]))})
+    got = metrics.length_bucket_stats(logp, old, mask)
+    assert len(got) == 4 and all(g == pytest.approx(w, rel=1e-9) for g, w in zip(got, want))
+
+
+def test_masked_var_is_the_population_variance_of_the_valid_entries():
+    x, mask = torch.tensor([[1.0, 4.0, 100.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    assert losses.masked_var(x, mask) == 2.25 and losses.masked_var(x, torch.tensor([[0.0, 1.0, 0.0]])) == 0.0
