@@ -6,6 +6,7 @@ import math
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_poli
     assert (metrics[-1].get("losses/kl_ref") is not None) == (algo == "grpo")
     if algo == "dapo":
         assert metrics[-1]["dynamic/drawn"] >= 4
+        assert all(m["dynamic/dropped"] == m["dynamic/drawn"] - 4 for m in steps)  # 4 prompts per step
 
 
 def test_length_gap_compares_wrong_and_right_answers_within_each_mixed_group():
@@ -359,3 +361,64 @@ def test_prefix_spread_is_logged_after_the_update_and_changes_nothing_learned(tm
     assert all(m["prefix/abs_log_token"] > 0 for m in steps)
     keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("perf/", "prefix/"))} for m in ms]  # noqa
     assert keep(plain) == keep(logged)
+
+
+def fake_sampler(correct_by_prompt: dict[str, list[float]]):
+    """train.sample_groups without a model: G completions per prompt, of length 2 + the prompt's index, scored
+    correct as `correct_by_prompt` says."""
+    def sample_groups(policy, tokenizer, prompts, args):
+        rows = [(ex, c) for ex in prompts for c in correct_by_prompt[ex.prompt]]
+        n, width = len(rows), 6
+        lengths = torch.tensor([2 + int(ex.prompt[1:]) % 4 for ex, _ in rows])
+        mask = (torch.arange(width) < lengths.unsqueeze(1)).long()
+        ro = rollout.Rollout(torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
+                             torch.arange(n).unsqueeze(1).repeat(1, width), mask, torch.zeros(n, dtype=torch.bool),
+                             -torch.rand(n, width), torch.rand(n, width))
+        scores = {"reward": [c for _, c in rows], "correct": [c for _, c in rows]}
+        return train.Batch(ro, [ex for ex, _ in rows], scores, [ex.prompt for ex, _ in rows])
+    return sample_groups
+
+
+def test_dynamic_sampling_keeps_the_mixed_groups_in_draw_order_and_counts_every_draw(monkeypatch):
+    """DAPO's filter: groups all right or all wrong are dropped, draws go on until P mixed groups are kept, the
+    batch is cut to P groups (rows stay with their prompt), and every group drawn is counted."""
+    import task
+    from plumbing.ddp import SINGLE
+
+    g = 3
+    table = {f"p{i}": c for i, c in enumerate([[1, 0, 0], [1, 1, 1], [0, 0, 0], [0, 1, 1], [0, 1, 0], [1, 0, 1],
+                                                [0, 1, 0], [1, 1, 1]])}
+    monkeypatch.setattr(train, "sample_groups", fake_sampler(table))
+    examples = [task.Example(p, "1") for p in table]
+    stream = runs.PromptStream(examples, seed=0)
+    order = [ex.prompt for ex in runs.PromptStream(examples, seed=0).take(8)]
+    args = train.Args(num_prompts=2, num_generations=g, max_sampling_rounds=4)
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    batch, drawn_correct, drawn = train.dynamic_sampling(None, tokenizer, stream, args, SINGLE)
+    mixed = [p for p in order if 0 < sum(table[p]) < g]
+    rounds = next(r for r in range(1, 5) if len([p for p in order[:2 * r] if p in mixed]) >= 2)
+    assert drawn == 2 * rounds and drawn_correct.tolist() == [table[p] for p in order[:drawn]]
+    assert rounds == 2 and len([p for p in order[:4] if p in mixed]) == 3  # two draws joined, one group cut
+    assert [ex.prompt for ex in batch.examples] == [p for p in mixed[:2] for _ in range(g)]
+    assert batch.scores["correct"] == [c for p in mixed[:2] for c in table[p]]
+    assert batch.ro.completion_mask.sum(-1).tolist() == [2 + int(p[1:]) % 4 for p in mixed[:2] for _ in range(g)]
+    stream = runs.PromptStream([examples[1], examples[2]], seed=0)  # only uniform groups: refused after the rounds
+    with pytest.raises(errors.DynamicSamplingError, match="found 0 of 2 prompt groups .* after 4 rounds"):
+        train.dynamic_sampling(None, tokenizer, stream, args, SINGLE)
+
+
+def test_each_epoch_splits_the_rollout_into_minibatches_of_a_new_shuffle(tmp_path, tiny_policy_dir, monkeypatch):
+    """PPO's inner loop: every epoch takes every row once, in minibatches of B / num_minibatches rows, in an order
+    drawn anew from the run's generator (not the rows' order, not the last epoch's)."""
+    seen, real = [], train.MicroBatches
+
+    def recording(rows, *a, **kw):
+        seen.append(rows.tolist())
+        return real(rows, *a, **kw)
+
+    monkeypatch.setattr(train, "MicroBatches", recording)
+    run(tmp_path, tiny_policy_dir, num_epochs=2, total_steps=1, save_model=False)  # 16 rows, 2 minibatches, 2 epochs
+    assert [len(rows) for rows in seen] == [8, 8, 8, 8]
+    epochs = [seen[0] + seen[1], seen[2] + seen[3]]
+    assert all(sorted(e) == list(range(16)) for e in epochs)
+    assert epochs[0] != epochs[1] and list(range(16)) not in epochs

@@ -1,0 +1,62 @@
+"""The inner loop's plumbing on its own: which micro-batch all-reduces, when an optimizer step is skipped, and the
+order prompts are read in. Fast unit tests; the runs that use them are in test_train.py, test_ddp.py and
+test_reliability.py."""
+
+import contextlib
+import math
+
+import torch
+
+from plumbing.accumulate import MicroBatches, StepLog
+from plumbing.ddp import SINGLE, World
+from plumbing.run import PromptStream
+
+
+class RecordingDDP(torch.nn.Module):
+    """Stands in for DistributedDataParallel: records which micro-batches ran without the gradient all-reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.unsynced = 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.unsynced += 1
+        yield
+
+
+def test_only_the_last_micro_batch_of_a_step_all_reduces():
+    ddp = RecordingDDP()
+    step = MicroBatches(torch.arange(10), 3, World(rank=0, size=2, distributed=True, ddp_model=ddp), lambda: None)
+    seen = []
+    for part in step:
+        with step.guard():
+            seen.append((part.tolist(), ddp.unsynced))
+    assert [p for p, _ in seen] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [n for _, n in seen] == [1, 2, 3, 3]  # no_sync around the first three; the fourth all-reduces
+    assert ddp.unsynced == 3
+
+
+def test_a_step_is_skipped_when_its_loss_or_its_gradient_norm_is_not_finite():
+    log = StepLog()
+    for loss, norm in [(0.5, 1.0), (float("nan"), 1.0), (0.5, float("inf")), (0.25, 3.0)]:
+        step = MicroBatches(torch.arange(2), 0, SINGLE, lambda: None)
+        step.loss, step.seen = loss, [("rows", loss)]
+        log.finite(step, torch.tensor(norm), SINGLE)
+    assert log.skipped == 2 and log.losses == [0.5, 0.25] and log.grad_norms == [1.0, 3.0]
+    assert log.metrics() == {"losses/policy_loss": 0.375, "losses/grad_norm": 2.0, "losses/skipped_updates": 2}
+    assert len(log.seen) == 4  # what a skipped step saw is still logged
+    assert math.isnan(StepLog().metrics()["losses/policy_loss"])
+
+
+def test_prompts_are_read_in_a_new_order_each_pass_and_a_cursor_resumes_it():
+    examples = list(range(7))
+    stream = PromptStream(examples, seed=3)
+    first, second = stream.take(7), stream.take(7)
+    assert sorted(first) == sorted(second) == examples and first != second  # every prompt once per pass, reshuffled
+    again = PromptStream(examples, seed=3)
+    again.take(5)
+    resumed = PromptStream(examples, seed=3)
+    resumed.cursor = again.cursor  # as a checkpoint restores it
+    assert resumed.take(9) == (first + second)[5:14]
+    assert PromptStream(examples, seed=4).take(7) != first
