@@ -267,7 +267,7 @@ def format_ok(completion: str, answer_format: str = "tags") -> bool:
         found = boxes(completion)
         return len(found) == 1 and found[0] is not None
     return completion.count("<answer>") == 1 and completion.count("</answer>") == 1 and \
-        completion.rstrip().endswith("</answer>") and completion.find("<answer>") < completion.find("</answer>")
+        completion.rstrip().endswith("</answer>")  # its one closing tag is last, so the block opens before it
 
 
 def overlong_penalty(length: int, truncated: bool, max_len: int, cache_len: int) -> float:

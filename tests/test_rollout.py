@@ -270,3 +270,16 @@ def test_the_head_in_fp32_computes_in_fp32_in_generate_and_in_every_pass(tiny_po
     torch.manual_seed(0)
     ro = rollout.generate(policy, tok, ["7 mod 3 ="] * 4, 12)  # the sampler reads the fp32 head too
     assert ro.sampler_logp is not None
+
+
+def test_decode_stops_at_the_first_eos_whatever_follows_it():
+    """A completion's text is its tokens up to its first EOS: what a batch row holds after it (generate's padding,
+    or tokens of another row's width) is not part of it, special or not."""
+    tok = models.build_tokenizer()
+    ids = tok("12 mod 5 = 2")["input_ids"]
+    after = tok(" 7")["input_ids"]  # ordinary tokens after the EOS
+    completion = torch.tensor([ids + [tok.eos_token_id] + after, ids + after + [tok.eos_token_id]])
+    mask, truncated = rollout.completion_mask(completion, [tok.eos_token_id])
+    ro = rollout.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), completion, mask,
+                         truncated)
+    assert rollout.decode(tok, ro) == [tok.decode(ids), tok.decode(ids + after)]
