@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from base import errors
 from plumbing import lifecycle
 from base import network
+import losses
 import metrics
 import rewards
 import rollout
@@ -422,3 +423,29 @@ def test_each_epoch_splits_the_rollout_into_minibatches_of_a_new_shuffle(tmp_pat
     epochs = [seen[0] + seen[1], seen[2] + seen[3]]
     assert all(sorted(e) == list(range(16)) for e in epochs)
     assert epochs[0] != epochs[1] and list(range(16)) not in epochs
+
+
+def test_the_update_hands_each_micro_batch_its_optimizer_steps_normalisers(tmp_path, tiny_policy_dir, monkeypatch):
+    """The wiring of one update: every micro-batch's loss gets the whole optimizer step's B, sum |y_i|, the budget
+    --max-new-tokens (Dr.GRPO's constant, not the rollout's width) and the number of micro-batches (the entropy
+    bonus averages over them); the gradient is clipped at --max-grad-norm before each optimizer step."""
+    calls, clips = [], []
+    real_loss, real_clip = losses.policy_loss, torch.nn.utils.clip_grad_norm_
+
+    def recording_loss(logp, old, adv, mask, norm, *a, **kw):
+        calls.append((len(mask), float(mask.sum()), norm, mask.shape[1]))
+        return real_loss(logp, old, adv, mask, norm, *a, **kw)
+
+    def recording_clip(params, max_norm, *a, **kw):
+        clips.append(max_norm)
+        return real_clip(params, max_norm, *a, **kw)
+
+    monkeypatch.setattr(losses, "policy_loss", recording_loss)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    run(tmp_path, tiny_policy_dir, algo="dr_grpo", total_steps=1, micro_batch_size=3, max_new_tokens=90,
+        max_grad_norm=0.7, entropy_coef=0.01, save_model=False)  # 16 rows: 2 minibatches of 8, as 3 + 3 + 2
+    assert [rows for rows, _, _, _ in calls] == [3, 3, 2, 3, 3, 2] and clips == [0.7, 0.7]
+    assert calls[0][3] < 90  # every completion ended before the budget: the width is not the budget
+    for step in (calls[:3], calls[3:]):
+        tokens = sum(t for _, t, _, _ in step)
+        assert all(n == losses.StepNorm(8, tokens, 90, micro_batches=3) for _, _, n, _ in step)
