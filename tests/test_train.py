@@ -408,6 +408,7 @@ def test_dynamic_sampling_keeps_the_mixed_groups_in_draw_order_and_counts_every_
         train.dynamic_sampling(None, tokenizer, stream, args, SINGLE)
 
 
+@pytest.mark.slow
 def test_each_epoch_splits_the_rollout_into_minibatches_of_a_new_shuffle(tmp_path, tiny_policy_dir, monkeypatch):
     """PPO's inner loop: every epoch takes every row once, in minibatches of B / num_minibatches rows, in an order
     drawn anew from the run's generator (not the rows' order, not the last epoch's)."""
@@ -425,6 +426,7 @@ def test_each_epoch_splits_the_rollout_into_minibatches_of_a_new_shuffle(tmp_pat
     assert epochs[0] != epochs[1] and list(range(16)) not in epochs
 
 
+@pytest.mark.slow
 def test_the_update_hands_each_micro_batch_its_optimizer_steps_normalisers(tmp_path, tiny_policy_dir, monkeypatch):
     """The wiring of one update: every micro-batch's loss gets the whole optimizer step's B, sum |y_i|, the budget
     --max-new-tokens (Dr.GRPO's constant, not the rollout's width) and the number of micro-batches (the entropy
