@@ -58,7 +58,8 @@ def test_a_sharded_run_logs_data_parallels_metrics_and_writes_an_ordinary_model(
     runs = {}
     for name, extra in (("fsdp", ["--fsdp"]), ("ddp", [])):
         code, out, err = finish(torchrun(2, "train.py", base + ["--output-dir", str(tmp_path / name)] + extra))
-        assert code == 0, err[-3000:]
+        # on failure, both streams' ends: stdout says how far the run got (seen once: a rank aborting in gloo)
+        assert code == 0, f"stdout:\n{out[-2500:]}\nstderr:\n{err[-5000:]}"
         assert ("sharded (FSDP2)" in out) == (name == "fsdp"), out[:2000]
         runs[name] = tmp_path / name / f"{algo}-np2-s0"
     a, b = metrics_without_timing(runs["fsdp"]), metrics_without_timing(runs["ddp"])
