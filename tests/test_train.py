@@ -451,3 +451,32 @@ def test_the_update_hands_each_micro_batch_its_optimizer_steps_normalisers(tmp_p
     for step in (calls[:3], calls[3:]):
         tokens = sum(t for _, t, _, _ in step)
         assert all(n == losses.StepNorm(8, tokens, 90, micro_batches=3) for _, _, n, _ in step)
+
+
+@pytest.mark.slow
+def test_kl_in_reward_lowers_each_reward_by_beta_times_its_kl_before_the_advantages(tmp_path, tiny_policy_dir,
+                                                                                   monkeypatch):
+    """--kl-in reward: the estimator receives r_i - beta sum_t KL_it (k3 >= 0: every reward goes down, by more where
+    the policy has left the reference), with every completion's length (REINFORCE++-baseline whitens over tokens)."""
+    batches, calls = [], []
+    real_sample, real_adv = train.sample_groups, losses.advantages
+
+    def recording_sample(*a, **kw):
+        batches.append(real_sample(*a, **kw))
+        return batches[-1]
+
+    def recording_adv(reward, g, estimator, scale, lengths):
+        calls.append((reward.clone(), lengths.clone(), estimator))
+        return real_adv(reward, g, estimator, scale, lengths)
+
+    monkeypatch.setattr(train, "sample_groups", recording_sample)
+    monkeypatch.setattr(losses, "advantages", recording_adv)
+    run(tmp_path, tiny_policy_dir, algo="grpo", kl_in="reward", beta=0.5,
+        advantage_estimator="reinforce_plus_plus_baseline", save_model=False)
+    assert len(calls) == 2 and all(e == "reinforce_plus_plus_baseline" for _, _, e in calls)
+    for batch, (reward, lengths, _) in zip(batches, calls):
+        raw = torch.tensor(batch.scores["reward"])
+        assert torch.equal(lengths, batch.ro.lengths)
+        assert (reward <= raw + 1e-6).all()
+    penalty = torch.tensor(batches[1].scores["reward"]) - calls[1][0]  # after one update the policy has moved
+    assert penalty.min() >= -1e-6 and penalty.max() > 1e-4
