@@ -1,10 +1,10 @@
 """Flags: every value checked before anything is loaded or written, and --help's text.
 
-    validate(args)            each flag on its own and against the others (and torchrun's process count)
-    check_writable(folder)    --output-dir can really be created
-    check_references(...)     data checks that need the loaded rows: references the answer format can match,
-    check_prompt_lengths(...) prompts that fit the model's context with --max-new-tokens
-    docstrings_as_help(cls)   each Args field's docstring is its --help text; default_hints shows derived defaults
+    validate(args)              each flag on its own and against the others (and torchrun's process count)
+    check_writable(folder)      --output-dir can really be created
+    check_references(...)       data checks that need the loaded rows: references the answer format can match,
+    check_prompt_lengths(...)   prompts that fit the model's context with --max-new-tokens
+    docstrings_as_help(cls)     each Args field's docstring is its --help text; default_hints shows derived defaults
 
 The first wrong value is one ConfigError (base/errors.py): one line, exit code 2.
 """

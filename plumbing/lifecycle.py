@@ -7,9 +7,10 @@ train.py calls these; none holds RL.
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
     shrink_on_oom, halved   --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
     optimizer_memory(...)   out of memory in the optimizer step: the sizes that do not fit, and no checkpoint
-    StepFailures            a failed RL step (dynamic sampling gave up, out of memory) becomes one line naming what
-                            was saved; NonFiniteStreak stops a run whose updates are all non-finite
-    NothingCorrect / TruncatedStreak   one warning each when the reward or the token budget looks wrong
+    StepFailures            a failed RL step (dynamic sampling gave up, out of memory) or held-out evaluation (out
+                            of memory) becomes one line naming what was saved
+    Watch                   after every step: a streak of steps whose updates were all non-finite stops the run;
+                            one warning each when the reward or the token budget looks wrong
 """
 
 from __future__ import annotations

@@ -118,3 +118,20 @@ def test_the_readme_quotes_the_lines_one_rl_step_reads():
     assert quoted in readme, quoted
     dapo = sum(c["lines"] for c in step_lines.measure(step_lines.one_step("dapo")).values())
     assert f"; {dapo} with DAPO's dynamic sampling)" in readme, dapo
+
+
+def test_the_folders_maps_name_what_is_there():
+    """base/ and plumbing/ say in their __init__ docstring what each of their modules does: every module is named.
+    lifecycle.py and flags.py open with a map (name, then what it does): every name in it exists in the module."""
+    import importlib
+    import re
+
+    for folder in ("base", "plumbing"):
+        doc = importlib.import_module(folder).__doc__
+        modules = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"}
+        assert modules and not {m for m in modules if not re.search(rf"\b{m}\b", doc)}, folder
+    for name in ("plumbing.lifecycle", "plumbing.flags"):
+        module = importlib.import_module(name)
+        first_columns = re.findall(r"^ {4}(\S.*?)\s{2,}\S", module.__doc__, re.M)
+        named = [t for col in first_columns for t in re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", col))]
+        assert len(named) >= 5 and not [t for t in named if not hasattr(module, t)], (name, named)
