@@ -87,6 +87,16 @@ def test_holm_adjusts_step_down_and_seed_drops_count_verdict_changes():
     assert study.seed_drops(e, 0.5, True) == sum(changed) > 0
 
 
+def test_the_p_values_holm_reads_are_two_sided_one_sample_t_tests():
+    from scipy.stats import ttest_1samp
+
+    values = [0.3, 0.1, 0.45, 0.2, 0.05]
+    e = study.estimate(values)
+    for null in (0.0, 0.5, -0.1):
+        assert study.p_value(e, null) == pytest.approx(ttest_1samp(values, null).pvalue, rel=1e-9), null
+    assert math.isnan(study.p_value(study.estimate([0.25, 0.25, 0.25]), 0.0))  # no spread: no test
+
+
 def test_a_small_sample_is_inconclusive_with_the_minimal_detectable_effect():
     values = [0.3, -0.2, 0.6]
     e = study.estimate(values)

@@ -1,0 +1,170 @@
+"""A run's bookkeeping on its own, with stand-ins for the model: which checkpoints are kept and which one an error
+names, which changes a resume allows, the held-out evaluation's sums and seeds, what metrics.jsonl holds and what
+the step line prints. Fast unit tests; the runs that use all of it are in test_reliability.py and test_train.py."""
+
+import dataclasses
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import task
+import train
+from plumbing import checkpoint, logs
+from plumbing import run as runs
+from plumbing.ddp import SINGLE, World
+
+
+class Saves:
+    """Stands in for a policy or a tokenizer: save_pretrained writes one small file."""
+
+    def save_pretrained(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text("{}")
+
+
+def test_a_save_keeps_the_newest_checkpoints_and_an_error_names_the_newest_other_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        checkpoint.save(root, step, Saves(), Saves(), {"step": step, "config": {}}, keep=3)
+    assert [p.name for p in checkpoint.all_checkpoints(root)] == ["step-000003", "step-000004", "step-000005"]
+    assert not list(root.glob(".tmp-*"))  # each was renamed into place
+    assert torch.load(root / "step-000005" / "state.pt", weights_only=True)["step"] == 5
+    hint = checkpoint.earlier_hint(root / "step-000005")  # the checkpoint that could not be used is step 5
+    assert hint == f"resume from another checkpoint with --resume {root / 'step-000004'}", hint
+    assert checkpoint.find("auto", tmp_path) == root / "step-000005"
+    assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == root / "step-000005"  # a run folder: its latest
+
+
+def test_a_resume_refuses_every_change_to_what_the_run_computes_and_allows_the_rest():
+    """Every flag not in checkpoint.HARMLESS, changed, is refused by name; every harmless one is allowed and listed
+    (--resume itself, which always differs, is not listed). HARMLESS names flags that exist."""
+    saved = dataclasses.asdict(train.Args())
+    assert checkpoint.HARMLESS <= set(saved), checkpoint.HARMLESS - set(saved)
+    for field in saved:
+        changed = {**saved, field: ("changed", saved[field])}
+        if field in checkpoint.HARMLESS:
+            listed = checkpoint.compare_configs(saved, changed)
+            assert listed == ([] if field == "resume" else [f"{field}: {saved[field]!r} -> {changed[field]!r}"])
+        else:
+            with pytest.raises(checkpoint.CheckpointError, match=f"differs in {field}: "):
+                checkpoint.compare_configs(saved, changed)
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [(1, 2), (2, 1), (2, 4)])
+def test_a_checkpoint_resumes_at_its_own_number_of_processes_unless_it_is_sharded(tmp_path, saved_by, resumed_by):
+    state = {"rng_ranks": [{}] * saved_by}
+    with pytest.raises(checkpoint.CheckpointError, match=f"written by {saved_by} process"):
+        checkpoint.check_world_size(state, resumed_by, tmp_path)
+    checkpoint.check_world_size(state, saved_by, tmp_path)
+    checkpoint.check_world_size({**state, "sharded": True}, resumed_by, tmp_path)  # resharded on load
+
+
+class Policy:
+    """What evaluate asks of a policy: eval(), train() and its device."""
+    device = torch.device("cpu")
+
+    def eval(self):
+        self.training = False
+
+    def train(self):
+        self.training = True
+
+
+def scored_sample(rows, greedy):
+    """Stands in for train.sample: greedy answers are right for references '1' (reward 1.5 with the format term,
+    0.5 without); a sampled answer is right with probability 0.4, drawn from torch's global stream."""
+    correct = [float(ex.answer == "1") if greedy else float(torch.rand(()) < 0.4) for ex in rows]
+    return types.SimpleNamespace(scores={"correct": correct, "reward": [c + 0.5 for c in correct]},
+                                 texts=[f"answer to {ex.prompt}" for ex in rows])
+
+
+EXAMPLES = [task.Example(f"p{i}", "1" if i % 3 == 0 else "2") for i in range(12)]  # 4 of 12 right when greedy
+
+
+def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k():
+    policy = Policy()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    out, shown = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=3, chunk=5)
+    assert out["eval/accuracy"] == pytest.approx(4 / 12) and out["eval/reward"] == pytest.approx(4 / 12 + 0.5)
+    assert torch.equal(torch.get_rng_state(), before)  # sampling here leaves the training run's stream alone
+    assert policy.training  # back in train mode
+    with torch.random.fork_rng():  # what evaluate drew: its own stream, seeded by the seed and the step
+        torch.manual_seed(7 * 100_003 + 3)
+        hits = (torch.rand(12 * 4) < 0.4).float().view(12, 4)  # one draw per sample, in the same order
+    assert out["eval/pass@1"] == pytest.approx(float(hits.mean()))
+    assert out["eval/pass@4"] == pytest.approx(float((hits.sum(1) > 0).float().mean()))
+    assert [(p, ok) for p, _, _, ok in shown] == [(shown[0][0], True), (shown[1][0], False)]
+    again, _ = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=3)
+    later, _ = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=4)
+    assert again == out and later["eval/pass@1"] != out["eval/pass@1"]  # the same step repeats; another draws anew
+
+
+class TwoRanks(World):
+    """One of two ranks: World.sum adds what the other rank contributed (recorded from its own evaluation)."""
+
+    def __init__(self, rank: int, other: list[float] | None = None):
+        super().__init__(rank=rank, size=2)
+        self.other, self.mine = other, None
+
+    def sum(self, values):
+        self.mine = list(values)
+        return [a + b for a, b in zip(values, self.other or [0.0] * len(values))]
+
+
+def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_the_whole_sets():
+    whole, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0)
+    rank1 = TwoRanks(1)
+    runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=rank1)
+    assert rank1.mine == [2.0, 2.0 + 0.5 * 6]  # problems 1, 3, 5, ...: p3 and p9 right; six rewards of 0.5 more
+    on_rank0, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=TwoRanks(0, rank1.mine))
+    assert on_rank0 == whole
+
+
+def test_each_evaluation_shows_other_problems_one_right_and_one_wrong():
+    texts = [f"t{i}" for i in range(12)]
+    correct = [float(ex.answer == "1") for ex in EXAMPLES]
+    picks = [runs.examples_to_show(EXAMPLES, texts, correct, step) for step in range(4)]
+    for shown in picks:
+        assert [ok for *_, ok in shown] == [True, False]
+        assert all((ex.answer == "1") == ok for ex in EXAMPLES for p, _, ref, ok in shown if ex.prompt == p)
+    assert len({tuple(p for p, *_ in shown) for shown in picks}) == 4  # a different pair at each step
+    all_right = runs.examples_to_show(EXAMPLES, texts, [1.0] * 12, 0)
+    assert [ok for *_, ok in all_right] == [True]
+
+
+def test_metrics_jsonl_holds_strict_json_with_null_for_what_is_not_finite(tmp_path):
+    logger = logs.Logger(train.Args(wandb_mode="disabled"), tmp_path)  # its file alone
+    logger.log({"a": math.nan, "b": math.inf, "c": 0.25, "d": 3, "e": "text"}, step=2)
+    logger.finish()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    row = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert row == {"step": 2, "a": None, "b": None, "c": 0.25, "d": 3, "e": None}, row
+
+
+@pytest.mark.parametrize("level,shown,hidden", [("sequence", "seq_ratio_var 2.00e-02", "ratio_var 1.00e-03"),
+                                                ("token", "ratio_var 1.00e-03", "seq_ratio_var")])
+def test_the_step_line_shows_the_ratio_variance_at_the_objectives_level(level, shown, hidden):
+    m = {"charts/reward": 0.5, "charts/accuracy": 0.25, "charts/completion_len": 30.0, "losses/policy_loss": 0.01,
+         "clip/frac": 0.125, "ratio/token_var": 1e-3, "ratio/seq_var": 2e-2, "perf/rollout_s": 1.0,
+         "perf/update_s": 2.0}
+    line = logs.console_line(3, 10, m, 90.0, level)
+    assert shown in line and hidden not in line.replace(shown, ""), line
+    assert line.startswith("step    3/10 | reward 0.500 acc 0.250 | len 30.0 | loss +0.0100 | clip 0.1250 ")
+    assert "drawn" not in line and line.endswith("| 1.0s+2.0s | eta 1.5 min")
+    dapo = logs.console_line(3, 10, {**m, "dynamic/drawn": 48, "dynamic/dropped": 16}, 90.0, level)
+    assert "| drawn 48 dropped 16 |" in dapo
+
+
+def test_the_end_of_a_run_prints_and_writes_before_and_after(tmp_path, capsys):
+    run = types.SimpleNamespace(args=train.Args(algo="dapo", seed=3, total_steps=7, save_model=False),
+                                before={"eval/accuracy": 0.25}, minutes=lambda: 1.5, world=SINGLE,
+                                run_dir=tmp_path, logger=types.SimpleNamespace(finish=lambda: None))
+    summary = runs.finish_run(run, {"eval/accuracy": 0.75})
+    assert summary == json.loads((tmp_path / "summary.json").read_text()) == {
+        "algo": "dapo", "seed": 3, "steps": 7, "accuracy_before": 0.25, "accuracy_after": 0.75, "rl_minutes": 1.5}
+    assert "held-out accuracy: 0.250 -> 0.750 (dapo, seed 3, 7 steps, 1.5 min)" in capsys.readouterr().out
