@@ -62,6 +62,7 @@ def test_json_array_file_and_bad_rows_named(tmp_path):
 @pytest.mark.parametrize("answer,reference", [
     ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"), ("#### 1,234", "1,234"), ("42", "42"),
     ("so $\\boxed{\\frac{\\sqrt{3}}{2}}$", "\\frac{\\sqrt{3}}{2}"), ("\\boxed{}", "\\boxed{}"),
+    ("first try #### 3\nno, redo #### 4", "4"), ("\\boxed{3}, no: \\boxed{4}", "4"),  # the last one is final
 ])
 def test_reference_answers(answer, reference):
     assert task.reference_answer(answer) == reference
@@ -134,3 +135,29 @@ def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
     assert len(tr) == 10 and [(e.prompt, e.answer) for e in te] == [("50 mod 7 =", "1")]
     with pytest.raises(task.TaskError, match="has 1 row"):
         task.load_dataset(str(tmp_path / "one.jsonl"))  # split: nothing would be left to train on
+
+
+def test_the_first_listed_field_a_row_has_is_the_one_read(tmp_path):
+    """PROMPT_FIELDS / ANSWER_FIELDS are in order of preference: a row with several reads the first listed."""
+    rows = [{"problem": "p", "question": "q", "prompt": "r", "solution": "s", "answer": "a"},
+            {"problem": "p", "question": "q", "solution": "s"}]
+    for i, (prompt, answer) in enumerate([("r", "a"), ("q", "s")]):
+        (tmp_path / f"{i}.jsonl").write_text(json.dumps(rows[i]) + "\n")
+        assert task.load_dataset(str(tmp_path / f"{i}.jsonl"), split=False)[0] == [task.Example(prompt, answer)]
+
+
+def test_a_large_dataset_holds_out_a_stable_tenth_of_at_most_200_rows():
+    """Whether a row is held out depends on its prompt alone (a hash), so a run and its rerun split alike; a tenth of
+    the rows, at most 200."""
+    examples = [task.Example(f"{i} + 1 =", str(i + 1)) for i in range(5000)]
+    train_rows, test_rows = task.heldout_split(examples, "made up")
+    assert len(test_rows) == 200 and len(train_rows) + len(test_rows) == 5000
+    assert {e.prompt for e in train_rows}.isdisjoint(e.prompt for e in test_rows)
+    small = task.heldout_split(examples[:300], "made up")[1]  # under the cap: the same rule, row by row
+    assert 10 <= len(small) <= 50 and small == [e for e in test_rows if int(e.answer) <= 300]
+
+
+@pytest.mark.parametrize("name,is_path", [("data/gsm8k/train", True), ("./gsm8k", True), ("gsm8k.jsonl", True),
+                                          ("openai/gsm8k", False), ("gsm8k", False)])
+def test_a_name_with_two_slashes_is_a_path_not_a_hub_id(name, is_path):
+    assert task.names_a_path(name) == is_path

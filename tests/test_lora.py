@@ -90,3 +90,17 @@ def test_lora_resume_continues_exactly(tmp_path, tiny_policy_dir):
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics_without_timing(a) == metrics_without_timing(b)
+
+
+def test_the_adapters_start_is_drawn_from_its_seed_alone(tiny_policy_dir):
+    """A (lora_A) is drawn from add_lora's seed, whatever the global RNG holds: every rank of a torchrun job starts
+    from the same adapter, and a resumed run from the same one as the first."""
+    def lora_a(seed: int, global_seed: int) -> list[torch.Tensor]:
+        base, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+        torch.manual_seed(global_seed)
+        policy = models.add_lora(base, rank=4, alpha=8.0, targets=models.LORA_TARGETS, seed=seed)
+        return [p.detach().clone() for n, p in policy.named_parameters() if "lora_A" in n]
+
+    first, again, other = lora_a(3, global_seed=0), lora_a(3, global_seed=1), lora_a(4, global_seed=0)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not any(torch.equal(a, b) for a, b in zip(first, other))

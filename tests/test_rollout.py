@@ -42,6 +42,20 @@ def test_left_padded_logprobs_equal_unpadded_forward(tiny_policy_dir, cpu):
         assert torch.allclose(batched[i][valid], expected[valid], atol=1e-5)
 
 
+def test_a_tokenizer_saved_with_right_padding_is_made_to_pad_left(tiny_policy_dir, cpu, tmp_path):
+    """Many hub tokenizers pad on the right; generate needs the prompts' padding on the left (prepare sets it)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_policy_dir, tmp_path / "model")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "right"}))
+    policy, tok = models.load_model(str(folder), cpu, torch.float32)
+    assert tok.padding_side == "left"
+    ro = rollout.generate(policy, tok, ["7 mod 3 =", "100 mod 17 ="], max_new_tokens=4, temperature=1.0)
+    assert ro.prompt_mask[0, 0] == 0 and ro.prompt_mask[0, -1] == 1  # the shorter prompt padded before its text
+
+
 def test_entropy_matches_definition(tiny_policy_dir, cpu):
     policy, tok = models.load_model(str(tiny_policy_dir), cpu, torch.float32)
     enc = tok(["5 mod 3 = 5-3=2"], return_tensors="pt")

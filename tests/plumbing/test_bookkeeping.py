@@ -13,7 +13,7 @@ import torch
 
 import task
 import train
-from plumbing import checkpoint, logs
+from plumbing import checkpoint, lifecycle, logs
 from plumbing import run as runs
 from plumbing.ddp import SINGLE, World
 
@@ -168,3 +168,27 @@ def test_the_end_of_a_run_prints_and_writes_before_and_after(tmp_path, capsys):
     assert summary == json.loads((tmp_path / "summary.json").read_text()) == {
         "algo": "dapo", "seed": 3, "steps": 7, "accuracy_before": 0.25, "accuracy_after": 0.75, "rl_minutes": 1.5}
     assert "held-out accuracy: 0.250 -> 0.750 (dapo, seed 3, 7 steps, 1.5 min)" in capsys.readouterr().out
+
+
+def test_out_of_memory_halves_the_micro_batch_only_where_the_size_is_free_and_the_process_alone():
+    """--micro-batch-size 0: after an out-of-memory error the rows per forward halve, and the size that fit is kept
+    for the next call under the same key. A fixed size, or a pass that holds a collective (several processes),
+    raises the error instead; so does any other error."""
+    def run(micro):  # fits at 2 rows or fewer
+        if micro > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        tried.append(micro)
+        return micro
+
+    tried, resets = [], []
+    key = "test_bookkeeping"
+    lifecycle.AUTO_MICRO_BATCH.pop(key, None)
+    assert lifecycle.shrink_on_oom(run, 16, 0, lambda: resets.append(1), key=key) == 2
+    assert tried == [2] and len(resets) == 3 and lifecycle.AUTO_MICRO_BATCH[key] == 2  # 16 -> 8 -> 4 -> 2
+    assert lifecycle.shrink_on_oom(run, 16, 0, lambda: resets.append(1), key=key) == 2 and len(resets) == 3
+    for fixed, world_size in [(8, 1), (0, 2)]:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            lifecycle.shrink_on_oom(run, 16, fixed, lambda: None, world_size=world_size, key=f"{key} {fixed}")
+    with pytest.raises(ValueError):
+        lifecycle.shrink_on_oom(lambda micro: int("x"), 16, 0, lambda: None, key=f"{key} other")
+    lifecycle.AUTO_MICRO_BATCH.pop(key, None)
