@@ -347,6 +347,29 @@ def test_adaptive_entropy_logs_the_bonus_its_steps_applied():
     assert control.logged()["entropy/bonus"] == 0.0  # nothing since the last log
 
 
+def test_adaptive_entropy_at_the_target_applies_the_bonus_and_keeps_the_coefficient_in_its_range():
+    """The bonus applies while H <= target (equality included), and c stays within [low, high] however long the
+    entropy stays on one side."""
+    control = losses.AdaptiveEntropy(0.95, target=1.0, delta=0.02)
+    for _ in range(5):  # at the target exactly: the coefficient rises, capped at high = 1
+        control.observe(torch.full((2, 3), 1.0), torch.ones(2, 3))
+        control.end_step()
+        assert control.applied() == control.coef
+    assert control.coef == 1.0
+    for _ in range(60):  # above the target: no bonus, and the coefficient falls to low = 0, not below
+        control.observe(torch.full((2, 3), 2.0), torch.ones(2, 3))
+        control.end_step()
+    assert control.applied() == 0.0 and control.coef == 0.0
+
+
+def test_the_rollout_corrections_bounds_keep_weights_equal_to_them():
+    """[C_min, C_max] is closed, in both modes: a weight equal to a bound is kept (mask) or unchanged (truncate)."""
+    w = torch.tensor([0.25, 0.5, 1.0, 3.0, 3.5])
+    assert losses.bound_rollout_ratio(w, "mask", 0.5, 3.0).tolist() == [0.0, 0.5, 1.0, 3.0, 0.0]
+    assert losses.bound_rollout_ratio(w, "truncate", 0.5, 3.0).tolist() == [0.5, 0.5, 1.0, 3.0, 3.0]
+    assert losses.bound_rollout_ratio(w, "mask", None, 3.0).tolist() == [0.25, 0.5, 1.0, 3.0, 0.0]
+
+
 def test_update_metrics_leave_the_adaptive_bonus_to_the_controller():
     """With a fixed --entropy-coef the update's metrics log its bonus; under --entropy-target the coefficient moves
     every optimizer step, so they log none of their own (the controller's is AdaptiveEntropy.logged's)."""
