@@ -345,3 +345,14 @@ def test_a_later_family_changes_no_earlier_holm_reading_and_the_counts_are_the_c
                                 {"verdict": "reproduced", "estimate": e, "margin": None, "predicted": 0.5},
                                 {"verdict": "not exercised", "estimate": e, "margin": None, "predicted": 0.5}])
     assert [i for i, _ in made] == [0, 1, 1]
+
+
+def test_a_run_collapses_by_a_drop_from_its_peak_or_a_non_finite_stop():
+    from tools.study import data
+
+    def run(accuracies, stopped=None):
+        return {"stopped": stopped, "rows": [{"step": i, "eval/accuracy": a} for i, a in enumerate(accuracies)]}
+
+    assert data.peak_drop(run([0.2, 0.7, 0.5])) == pytest.approx(0.2) and data.collapsed(run([0.2, 0.7, 0.5]))
+    assert not data.collapsed(run([0.2, 0.7, 0.55]))
+    assert data.collapsed(run([0.2, 0.7, 0.7], stopped=data.STOPS["non-finite losses"]))  # at its peak, but stopped

@@ -140,3 +140,13 @@ def test_the_held_out_area_averages_the_evaluations_after_training_began():
                     {"step": 10, "eval/accuracy": 0.5}, {"step": 20, "eval/accuracy": 0.8}]}
     assert sweep.heldout_area(run) == pytest.approx(0.65)
     assert math.isnan(sweep.heldout_area({"rows": [{"step": 0, "eval/accuracy": 0.2}]}))
+
+
+def test_steps_to_a_threshold_counts_reaching_it_and_drift_needs_two_whole_windows():
+    run = {"rows": [{"step": 0, "eval/accuracy": 0.2}, {"step": 10, "eval/accuracy": 0.6},
+                    {"step": 20, "eval/accuracy": 0.7}]}
+    assert sweep.steps_to(run, 0.6) == 10 and sweep.steps_to(run, 0.65) == 20  # reaching it is enough
+    assert math.isnan(sweep.steps_to(run, 0.9))
+    rows = {"rows": [{"step": s, "charts/completion_len": float(s)} for s in range(1, 31)]}
+    assert sweep.drift(rows, "charts/completion_len") == pytest.approx(25.5 - 5.5)  # last 10 minus first 10
+    assert math.isnan(sweep.drift({"rows": rows["rows"][:19]}, "charts/completion_len"))  # the windows would overlap
