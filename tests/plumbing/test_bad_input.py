@@ -142,6 +142,12 @@ FLAGS = [
     (["--model", "./missing.gguf"], "does not exist"),
     (["--dataset", "/no/such/data.jsonl"], "does not exist"),
     (["--resume", "/no/such/checkpoint"], "no such checkpoint"),
+    # each rule at its boundary, on the refused side (test_each_rule_admits_its_boundary has the other)
+    (["--logprob-chunk", "-2"], "--logprob-chunk must be a number of positions"),
+    (["--algo", "dapo", "--advantage-estimator", "maxrl"], "divides by the group's mean reward"),
+    (["--rollout-correction", "token_truncate", "--rollout-correction-min", "3", "--rollout-correction-max", "3"],
+     "must be > 0 with min < max"),
+    (["--temperature", "0.009"], "is greedy in all but name"),
 ]
 
 
@@ -204,6 +210,23 @@ def test_bad_flags(tmp_path, capsys, tiny_policy_dir, no_wandb_login, argv, mess
     argv = base + argv if "--wandb-mode" not in argv else base[:-2] + argv
     refused(argv, capsys, out, message)
     assert not out.exists()  # not even the output folder is created before the checks
+
+
+def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_processes():
+    """The other side of the boundaries above: values on the edge are accepted. And under torchrun the P prompts of
+    a step must divide evenly over the processes."""
+    from plumbing import flags
+
+    def args(**kw):
+        return runs.resolve(train.Args(**kw))[0]
+
+    for kw in [dict(logprob_chunk=-1), dict(temperature=0.01), dict(algo="dapo", overlong_cache=64, max_new_tokens=64),
+               dict(rollout_correction="token_mask", rollout_correction_min=0.5, rollout_correction_max=0.6),
+               dict(advantage_estimator="maxrl"), dict(num_prompts=8)]:
+        flags.validate(args(**kw))
+    flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
+    with pytest.raises(errors.ConfigError, match="--num-prompts 8"):
+        flags.validate(args(num_prompts=8, num_minibatches=1), world_size=3)
 
 
 @pytest.mark.parametrize("where", ["proc", "file"])
