@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's mo
 
 import model as models  # noqa: E402
 import task  # noqa: E402
+from plumbing.ddp import World  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -23,6 +24,23 @@ TINY = dict(version=1, steps=150, batch_size=32, lr=3e-3, slip_prob=0.5, hidden=
 SMALL_ARGS = dict(num_prompts=4, num_generations=4, max_new_tokens=24, num_minibatches=2, eval_every=2, eval_size=8,
                   lr=1e-3, warmup_steps=0, wandb_mode="disabled")
 SMALL = [x for k, v in SMALL_ARGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]  # the same as flags
+
+
+class TwoRanks(World):
+    """One of two ranks, the other rank's part given, no process group: sum adds `other_sum` (nothing when None) and
+    keeps this rank's values in `mine`; gather returns both objects in rank order. For unit tests of what the
+    collectives feed (a step's normalisers, gathered rows, the evaluation's sums)."""
+
+    def __init__(self, rank: int = 0, other_sum: list[float] | None = None, other_obj=None):
+        super().__init__(rank=rank, size=2)
+        self.other_sum, self.other_obj, self.mine = other_sum, other_obj, None
+
+    def sum(self, values):
+        self.mine = list(values)
+        return [a + b for a, b in zip(values, self.other_sum or [0.0] * len(values))]
+
+    def gather(self, obj):
+        return [obj, self.other_obj] if self.rank == 0 else [self.other_obj, obj]
 
 
 def metrics_without_timing(run_dir: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The inner loop's plumbing on its own: which micro-batch all-reduces, when an optimizer step is skipped, the
-order prompts are read in, and what a step's normalisers and gathered rows hold over two ranks (a stand-in). Fast unit tests; the runs that use them are in test_train.py, test_ddp.py and
-test_reliability.py."""
+order prompts are read in, and what a step's normalisers and gathered rows hold over two ranks (a stand-in). Fast
+unit tests; the runs that use them are in test_train.py, test_ddp.py and test_reliability.py."""
 
 import contextlib
 import math
@@ -10,6 +10,8 @@ import torch
 from plumbing.accumulate import MicroBatches, StepLog
 from plumbing.ddp import SINGLE, World
 from plumbing.run import PromptStream
+
+from conftest import TwoRanks  # noqa: E402
 
 
 class RecordingDDP(torch.nn.Module):
@@ -62,23 +64,9 @@ def test_prompts_are_read_in_a_new_order_each_pass_and_a_cursor_resumes_it():
     assert PromptStream(examples, seed=4).take(7) != first
 
 
-class PeerWorld(World):
-    """Rank 0 of two, with the other rank's contribution given: sum adds it, gather returns both in rank order."""
-
-    def __init__(self, peer_sum: list[float] | None = None, peer_obj=None):
-        super().__init__(rank=0, size=2)
-        self.peer_sum, self.peer_obj = peer_sum, peer_obj
-
-    def sum(self, values):
-        return [a + b for a, b in zip(values, self.peer_sum)]
-
-    def gather(self, obj):
-        return [obj, self.peer_obj]
-
-
 def test_the_steps_normalisers_count_every_ranks_rows_and_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # this rank: 2 sequences, 3 tokens
-    assert PeerWorld(peer_sum=[3.0, 7.0]).step_totals(mask) == (5, 10)  # the other: 3 sequences, 7 tokens
+    assert TwoRanks(other_sum=[3.0, 7.0]).step_totals(mask) == (5, 10)  # the other: 3 sequences, 7 tokens
     assert SINGLE.step_totals(mask) == (2, 3)
 
 
@@ -87,6 +75,6 @@ def test_gathered_rows_pad_each_ranks_completions_on_the_right():
     token t of every row stays at position t."""
     mine, theirs = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]])
     lengths = torch.tensor([2]), torch.tensor([3, 1])
-    rows, lens, missing = PeerWorld(peer_obj=[theirs, lengths[1], None]).gather_rows(mine, lengths[0], None)
+    rows, lens, missing = TwoRanks(other_obj=[theirs, lengths[1], None]).gather_rows(mine, lengths[0], None)
     assert torch.equal(rows, torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]))
     assert torch.equal(lens, torch.tensor([2, 3, 1])) and missing is None

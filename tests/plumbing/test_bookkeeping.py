@@ -15,7 +15,9 @@ import task
 import train
 from plumbing import checkpoint, lifecycle, logs
 from plumbing import run as runs
-from plumbing.ddp import SINGLE, World
+from plumbing.ddp import SINGLE
+
+from conftest import TwoRanks  # noqa: E402
 
 
 class Saves:
@@ -75,8 +77,8 @@ class Policy:
 
 
 def scored_sample(rows, greedy):
-    """Stands in for train.sample: greedy answers are right for references '1' (reward 1.5 with the format term,
-    0.5 without); a sampled answer is right with probability 0.4, drawn from torch's global stream."""
+    """Stands in for train.sample: a greedy answer is right for reference '1'; a sampled one is right with
+    probability 0.4, drawn from torch's global stream; each reward is correctness plus 0.5 (a format term)."""
     correct = [float(ex.answer == "1") if greedy else float(torch.rand(()) < 0.4) for ex in rows]
     return types.SimpleNamespace(scores={"correct": correct, "reward": [c + 0.5 for c in correct]},
                                  texts=[f"answer to {ex.prompt}" for ex in rows])
@@ -104,24 +106,13 @@ def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k():
     assert again == out and later["eval/pass@1"] != out["eval/pass@1"]  # the same step repeats; another draws anew
 
 
-class TwoRanks(World):
-    """One of two ranks: World.sum adds what the other rank contributed (recorded from its own evaluation)."""
-
-    def __init__(self, rank: int, other: list[float] | None = None):
-        super().__init__(rank=rank, size=2)
-        self.other, self.mine = other, None
-
-    def sum(self, values):
-        self.mine = list(values)
-        return [a + b for a, b in zip(values, self.other or [0.0] * len(values))]
-
-
 def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_the_whole_sets():
     whole, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0)
     rank1 = TwoRanks(1)
     runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=rank1)
     assert rank1.mine == [2.0, 2.0 + 0.5 * 6]  # problems 1, 3, 5, ...: p3 and p9 right; six rewards of 0.5 more
-    on_rank0, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=TwoRanks(0, rank1.mine))
+    rank0 = TwoRanks(0, other_sum=rank1.mine)
+    on_rank0, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=rank0)
     assert on_rank0 == whole
 
 
