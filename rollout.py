@@ -191,24 +191,30 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, num_co
                         temperature: float = 1.0, with_entropy: bool | str = False, chunk: int = 0):
     """log pi(y_t | x, y_<t) of the last `num_completion` tokens at the sampling temperature: (B, T).
 
-    One forward pass. With `chunk` -1, or where the B x T completion positions fit in one chunk of `chunk`
-    positions, or with `chunk` 0 where their logits are at most WHOLE_ENTRIES (all of the embedded model's), the
-    model computes those logits (logits_to_keep) and token_logprobs takes them row by row; otherwise
-    chunked_logprobs, which holds no (B, T, V) tensor, in chunks of `chunk` positions (0: CHUNK_ENTRIES / V).
-    `with_entropy`: as in token_logprobs.
+    One forward pass. Where chunk_positions says whole, the model computes those logits (logits_to_keep) and
+    token_logprobs takes them row by row; otherwise chunked_logprobs, which holds no (B, T, V) tensor, a chunk of
+    positions at a time. `with_entropy`: as in token_logprobs.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
     targets = input_ids[:, -num_completion:]  # (B, T)
     head, decoder = output_layers(model)
-    size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // head.out_features)
-    small = chunk == 0 and targets.numel() * head.out_features <= WHOLE_ENTRIES
-    if chunk >= 0 and not small and size < targets.numel() and decoder is not None:
+    size = chunk_positions(targets.numel(), head.out_features, chunk)
+    if size and decoder is not None:
         return chunked_logprobs(model, head, decoder, input_ids, attention_mask, position_ids, targets, temperature,
                                 with_entropy, size)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=num_completion + 1, use_cache=False).logits
     # position t of the kept logits predicts completion token t; the last one predicts beyond the sequence
     return token_logprobs(logits[:, :-1], targets, temperature, with_entropy)
+
+
+def chunk_positions(positions: int, vocab: int, chunk: int = 0) -> int:
+    """Completion positions per chunk of the log-prob path (--logprob-chunk `chunk`), or 0 where their logits are made
+    whole: `chunk` -1; `positions` (B x T) within one chunk; with `chunk` 0, at most WHOLE_ENTRIES logits (all of the
+    embedded model's). A chunk holds `chunk` positions, or with 0 CHUNK_ENTRIES / V. tools/memory.py reads it too."""
+    size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // vocab)
+    whole = chunk < 0 or size >= positions or (chunk == 0 and positions * vocab <= WHOLE_ENTRIES)
+    return 0 if whole else size
 
 
 def chunked_logprobs(model, head, decoder, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,

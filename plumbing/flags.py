@@ -162,7 +162,7 @@ def working_schedulers() -> list[str]:
 def parse(cli, description: str, argv: list[str] | None, program: str = "python train.py", **tyro_kwargs):
     """tyro's parse, with a parse error (an unknown flag, a value of the wrong type, a choice that does not exist)
     as one `error:` line and exit code 2 instead of tyro's box; a choice's valid values come closest first. Every
-    entry point parses through here (`program` names it in the hint)."""
+    entry point parses through here (`program` names it in --help's usage line and in the hint)."""
     import contextlib
     import difflib
     import io
@@ -174,7 +174,7 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            return tyro.cli(cli, description=description, args=argv, **tyro_kwargs)
+            return tyro.cli(cli, prog=program, description=description, args=argv, **tyro_kwargs)
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise

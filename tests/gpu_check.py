@@ -63,7 +63,7 @@ from tools import memory  # noqa: E402
 # Verdicts: pure functions of the numbers, so that a planted fault can be shown to fail them
 # ---------------------------------------------------------------------------------------------------------------
 
-MEMORY_TOLERANCE = 0.10  # |estimate / measured - 1|
+MEMORY_TOLERANCE = memory.TOLERANCE  # |estimate / measured - 1|
 PI_OLD_KL, PI_OLD_TOKEN_FRAC = 1e-2, 0.02  # k3 KL(mu || pi_old) and the share of tokens beyond |d| = 0.2
 
 

