@@ -449,8 +449,8 @@ def check_bench(c: Check) -> None:
     found = re.search(r"= (\d+)% of the measured", text)
     fraction = int(found.group(1)) / 100 if found else None
     ok, detail = bench_verdict(code, fraction)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("seconds per RL step", "update tokens/s",
-                                                                              "ours, update phase"))]
+    lines = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip().startswith(  # bench's columns unpadded
+        ("seconds per RL step", "update tokens/s", "ours, update phase"))]
     c.report("bench", ok, f"{detail}; " + " | ".join(lines)[:400], fraction=fraction)
 
 
