@@ -63,7 +63,6 @@ from tools import memory  # noqa: E402
 # Verdicts: pure functions of the numbers, so that a planted fault can be shown to fail them
 # ---------------------------------------------------------------------------------------------------------------
 
-MEMORY_TOLERANCE = memory.TOLERANCE  # |estimate / measured - 1|
 PI_OLD_KL, PI_OLD_TOKEN_FRAC = 1e-2, 0.02  # k3 KL(mu || pi_old) and the share of tokens beyond |d| = 0.2
 
 
@@ -92,9 +91,9 @@ def shards_verdict(written: list[str], ranks: int) -> tuple[bool, str]:
 
 def memory_verdict(measured: float, estimate: float) -> tuple[bool, str]:
     ratio = estimate / measured if measured > 0 else float("inf")
-    ok = abs(ratio - 1) <= MEMORY_TOLERANCE
+    ok = memory.close(ratio)
     return ok, (f"measured {measured / 2**30:.2f} GiB, estimate {estimate / 2**30:.2f} GiB "
-                f"(estimate / measured {ratio:.3f}; pass within {MEMORY_TOLERANCE:.0%})")
+                f"(estimate / measured {ratio:.3f}; pass within {memory.TOLERANCE:.0%})")
 
 
 def on_policy_verdict(max_abs_log_ratio: float, tokens: int) -> tuple[bool, str]:

@@ -205,9 +205,9 @@ def documented_tool_commands() -> list[tuple[str, str, list[str]]]:
 
 def test_documented_tool_commands_parse():
     """Every documented tools command is accepted as written: its flags exist and take the values given, and the
-    tool's own checks pass (memory's settings; the sweep's axes and the train.py flags it passes on). Two usage lines
-    of tools/memory.py's --help named flags it does not have (--glibc-default) or refuses without --model
-    (--entropy-bonus)."""
+    tool's own checks pass (memory's and the sweep's settings, and the train.py flags the sweep passes on). Two
+    usage lines of tools/memory.py's --help named flags it does not have (--glibc-default) or refuses without
+    --model (--entropy-bonus)."""
     from plumbing import flags
     import train
     from tools import bench, memory, recipes, step_lines, sweep
@@ -217,14 +217,8 @@ def test_documented_tool_commands_parse():
                "tools.bench": lambda argv: flags.parse(bench.BenchArgs, "", argv),
                "tools.recipes": lambda argv: flags.parse(recipes.RecipesArgs, "", argv),
                "tools.step_lines": lambda argv: flags.parse(step_lines.StepLinesArgs, "", argv),
-               "tools.study": lambda argv: flags.parse(StudyArgs, "", argv)}
-
-    def sweep_parse(argv):
-        args, train_args = flags.parse(sweep.SweepArgs, "", sweep.merge_set_flags(argv), return_unknown_args=True)
-        sweep.set_axes(args.set, train_args)
-        flags.parse(train.Args, "", train_args)
-
-    parsers["tools.sweep"] = sweep_parse
+               "tools.study": lambda argv: flags.parse(StudyArgs, "", argv),
+               "tools.sweep": lambda argv: flags.parse(train.Args, "", sweep.settings(argv)[1])}  # and what it passes on
     commands = documented_tool_commands()
     assert {module for _, module, _ in commands} <= set(parsers) and len(commands) >= 25, commands
     for where, module, argv in commands:

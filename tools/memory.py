@@ -171,6 +171,11 @@ MARGIN = 0.10  # of a card left to the CUDA context, the allocator's cache and t
 TOLERANCE = 0.10  # |estimate / measured - 1| that --measure (and tests/gpu_check.py) call close
 
 
+def close(ratio: float) -> bool:
+    """An estimate / measured ratio within TOLERANCE of 1."""
+    return abs(ratio - 1) <= TOLERANCE
+
+
 def table(rows: int = 8, prompt: int = 150, completion: int = 256) -> str:
     lines = [f"| bf16, one micro-batch of {rows} rows x {prompt + completion} tokens ({completion} completion) | "
              + " | ".join(f"{s.name} β=0 / β=0.04" for s in QWEN) + " |", "|---|" + "---|" * len(QWEN)]
@@ -540,7 +545,7 @@ def check_header(config: dict, rows: int, completion: int, dtype: str, device: s
 
 def check_summary(ratios: list[float], unit: str = "set-up") -> str:
     """The sentence under a measured table: whether every estimate is within TOLERANCE of its measurement."""
-    within = all(abs(r - 1) <= TOLERANCE for r in ratios)
+    within = all(close(r) for r in ratios)
     side = "; every estimate is above it" if min(ratios) > 1 else "; every estimate is below it" if max(ratios) < 1 \
         else ""
     return (f"{'Every' if within else 'Not every'} {unit} is within {TOLERANCE:.0%} of its measurement (estimate / "

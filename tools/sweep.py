@@ -530,23 +530,29 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     return points
 
 
-def main(argv: list[str] | None = None) -> None:
+def settings(argv: list[str] | None) -> tuple[SweepArgs, list[str], list[tuple[str, list[str]]]]:
+    """The sweep's flags, the train.py flags it passes on, and its --set axes (none with --report-only), checked
+    before anything runs (SweepError says what is wrong)."""
     from plumbing import flags
 
     args, train_args = flags.parse(SweepArgs, __doc__, merge_set_flags(sys.argv[1:] if argv is None else argv),
                                    program="python -m tools.sweep", return_unknown_args=True)
-    runs_dir = Path(args.output_dir) / args.name / "runs"
-    out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
+    if args.parallel < 1:
+        raise SweepError(f"--parallel {args.parallel}: must be at least 1 (runs at a time)")
+    if not 0 <= args.threshold <= 1:
+        raise SweepError(f"--threshold {args.threshold}: a held-out accuracy, between 0 and 1")
+    unknown = [a for a in args.algos if a not in ALGOS]
+    if unknown:
+        raise SweepError(f"--algos {unknown[0]!r} is not an objective; use some of {', '.join(ALGOS)}")
+    return args, train_args, [] if args.report_only else set_axes(args.set, train_args)
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
-        if args.parallel < 1:
-            raise SweepError(f"--parallel {args.parallel}: must be at least 1 (runs at a time)")
-        if not 0 <= args.threshold <= 1:
-            raise SweepError(f"--threshold {args.threshold}: a held-out accuracy, between 0 and 1")
-        unknown = [a for a in args.algos if a not in ALGOS]
-        if unknown:
-            raise SweepError(f"--algos {unknown[0]!r} is not an objective; use some of {', '.join(ALGOS)}")
+        args, train_args, axes = settings(argv)
+        runs_dir = Path(args.output_dir) / args.name / "runs"
+        out = Path(args.report_dir or Path(args.output_dir) / args.name / "report")
         if not args.report_only:
-            axes = set_axes(args.set, train_args)
             print(plan(args, axes), flush=True)
             run_grid(grid(args, axes), args.name, train_args, runs_dir, args.parallel)
         pack(runs_dir, out / "data")
