@@ -378,16 +378,19 @@ def train(args: Args) -> dict:
         torch.set_num_threads(args.threads)
     source = lambda policy: pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs,  # noqa: E731
                                           args.rollout_correction, models.compute_dtype(policy))
-    # data, policy, optimizer, a checkpoint restored, the first evaluation (it prints where pi_old comes from)
-    run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, source)
-    pi_old = source(run.policy)
-
-    stop, logged, run.started = lifecycle.GracefulStop(), run.before, time.time()
-    resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
-    failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler, world.size)
-    watch = lifecycle.Watch(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs, args.answer_format,
-                            args.max_new_tokens, run.train_set[0].answer)  # non-finite streaks stop the run
+    # PLUMBING: Ctrl-C or SIGTERM finishes the step, saves and exits 0 (start-up, inside, keeps nothing instead)
+    stop, run = lifecycle.GracefulStop(), None
     try:
+        # data, policy, optimizer, a checkpoint restored, the first evaluation (it prints where pi_old comes from)
+        run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, source)
+        pi_old = source(run.policy)
+
+        logged, run.started = run.before, time.time()
+        resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
+        failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler,
+                                          world.size)
+        watch = lifecycle.Watch(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs, args.answer_format,
+                                args.max_new_tokens, run.train_set[0].answer)  # non-finite streaks stop the run
         for step in range(run.first_step, args.total_steps + 1):
             # ALGO: one RL step
             with failures(step):
@@ -408,12 +411,13 @@ def train(args: Args) -> dict:
             watch.check(step, logged)
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped
+        return runs.finish_run(run, logged)
     except BaseException:
-        run.logger.finish()
+        if run is not None:  # (start-up closes its own)
+            run.logger.finish()
         raise
     finally:
         stop.restore()
-    return runs.finish_run(run, logged)
 
 
 def main(argv: list[str] | None = None) -> None:

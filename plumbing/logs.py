@@ -38,10 +38,12 @@ class Logger:
             self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def finish(self) -> None:
+        """Close both; a second call (an error after the run's end) does nothing."""
         if self.file is not None:
             self.file.close()
         if self.run is not None:
             self.run.finish()
+        self.file = self.run = None
 
 
 def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "token") -> str:

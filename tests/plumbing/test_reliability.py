@@ -310,6 +310,34 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
 
 
+def test_no_moment_between_start_up_and_the_loop_without_a_stop_handler(tmp_path, tiny_policy_dir, monkeypatch):
+    """The loop's handler is in place before start-up and start-up hands it back: the moment the first evaluation
+    ends (and during the final save) Ctrl-C and SIGTERM mean "finish the step and save", not a process that dies
+    with a run folder behind it (SIGTERM's default) or says "nothing was written" (base.early's handler)."""
+    from plumbing import run as runs
+    real_start, real_finish, seen = runs.start_run, runs.finish_run, []
+
+    def handlers():
+        seen.extend(signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM))
+
+    def start(*a, **kw):
+        started = real_start(*a, **kw)
+        handlers()  # start-up has just ended
+        return started
+
+    def finish(*a, **kw):
+        handlers()  # the final save is about to begin
+        return real_finish(*a, **kw)
+
+    monkeypatch.setattr(runs, "start_run", start)
+    monkeypatch.setattr(runs, "finish_run", finish)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    train.main(["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "1"] + SMALL)
+    assert (tmp_path / "gspo-s0" / "summary.json").is_file()
+    assert len(seen) == 4 and all(isinstance(getattr(h, "__self__", None), lifecycle.GracefulStop) for h in seen), seen
+    assert {s: signal.getsignal(s) for s in before} == before  # and after the run, what was there before
+
+
 def loading_torch(pid: int) -> bool:
     """True once the process has mapped torch's library: Python is up and train.py is past its first lines, where
     base.early takes Ctrl-C over. (Without /proc, as on macOS: after a second.)"""
