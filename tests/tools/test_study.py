@@ -356,3 +356,18 @@ def test_a_run_collapses_by_a_drop_from_its_peak_or_a_non_finite_stop():
     assert data.peak_drop(run([0.2, 0.7, 0.5])) == pytest.approx(0.2) and data.collapsed(run([0.2, 0.7, 0.5]))
     assert not data.collapsed(run([0.2, 0.7, 0.55]))
     assert data.collapsed(run([0.2, 0.7, 0.7], stopped=data.STOPS["non-finite losses"]))  # at its peak, but stopped
+
+
+def test_the_fits_slope_is_least_squares_in_exactly_rounded_sums():
+    """data.slope replaces numpy's polyfit (LAPACK, whose last bits differ between CPUs) for the length exponent and
+    the within-sequence slope: the same least-squares answer, and order-free sums (the same bits whatever the CPU)."""
+    from tools.study.data import slope
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        xs = rng.uniform(0, 5, 30).tolist()
+        ys = (0.7 * np.array(xs) + rng.normal(0, 1, 30)).tolist()
+        assert slope(xs, ys) == pytest.approx(np.polyfit(xs, ys, 1)[0], rel=1e-12, abs=1e-12)
+        order = rng.permutation(30)
+        assert slope([xs[i] for i in order], [ys[i] for i in order]) == slope(xs, ys)
+    assert slope([math.log(k) for k in (4, 8, 16)], [0.5 * math.log(k) + 2 for k in (4, 8, 16)]) == pytest.approx(0.5)

@@ -108,7 +108,15 @@ def length_exponent(run: dict, key: str = "std_logsum") -> float:
             if std > 0 and lens.get(step, 0) > 0:
                 xs.append(math.log(lens[step]))
                 ys.append(math.log(std))
-    return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else math.nan
+    return slope(xs, ys) if len(set(xs)) > 1 else math.nan
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope, sum (x - mean x)(y - mean y) / sum (x - mean x)^2, in exactly rounded sums (math.fsum):
+    the same bits on every CPU. (numpy's polyfit goes through LAPACK, whose kernels differ between CPUs in the last
+    bits, so the committed verdicts.json would rebuild differently on another machine.)"""
+    mx, my = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    return math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.fsum((x - mx) ** 2 for x in xs)
 
 
 PREFIX_K = (4, 8, 16, 32, 64)  # metrics.PREFIX_K, the prefix lengths train.py --log-prefix-spread logs
@@ -131,7 +139,7 @@ def prefix_slope(run: dict, last: int | None = None) -> float:
     stds = prefix_stds(run, last)
     if not all(math.isfinite(v) and v > 0 for v in stds):
         return math.nan
-    return float(np.polyfit(np.log(PREFIX_K), np.log(stds), 1)[0])
+    return slope([math.log(k) for k in PREFIX_K], [math.log(v) for v in stds])
 
 
 def entropy_last10(run: dict) -> float:
