@@ -17,7 +17,7 @@ Every subprocess has a time limit (--timeout, seconds).
   memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
               against tools/memory.py's estimate, within 10%: the default model (on a GPU) and a Qwen2.5-1.5B-shaped
               model built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its
-              151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0
+              151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0 (--fast on a CPU: float32)
   on-policy   bf16: π_old recomputed in micro-batches of the size the update uses; the first optimizer step's ratio is
               exactly 1 on every token. Beside it (measured, no verdict): the fraction of sequences GSPO's 3e-4 range
               would clip at θ = θ_old when π_old is computed in micro-batches of another size
@@ -26,7 +26,7 @@ Every subprocess has a time limit (--timeout, seconds).
   generation  bf16 generate with autocast entered per forward (each weight cast at every token) against one autocast
               region (cast once): at most one cast per weight matrix, the same tokens, and on a GPU not slower
   oom         a real out-of-memory error in the update (the process's memory capped: CUDA's memory fraction, on a CPU
-              its address space) is halved and the update completes, finite and unskipped
+              its address space) is halved and the update completes, finite and unskipped (--fast on a CPU: float32)
   bench       one tools.bench line (this project's RL step, bf16 where native): its FLOP/s against the matmul peak
               measured on the same device in the same precision, a fraction in (0, 1]
 Paste the verdicts into docs/speed.md with the date and the GPU's name.
@@ -223,9 +223,16 @@ def check_runs(c: Check) -> None:
                  metrics=str(path.relative_to(c.out)))
 
 
+def fast_cpu_dtype(c: Check) -> str:
+    """The precision of the checks over a 151,936-token head: the run's, but float32 under --fast on a CPU. Without
+    native bf16 (AVX2 only) the head's backward in bf16 takes ~10x longer (the memory worker: 202 s against 19 s
+    on a 2-core AMD EPYC, 2026-12-04), past the time the test suite gives the fast subset."""
+    return "float32" if c.fast and c.device == "cpu" else c.precision
+
+
 def check_memory(c: Check) -> None:
     """Each set-up in a process of its own (tools.memory's worker), so one peak does not include another's."""
-    dtype = c.precision
+    dtype = fast_cpu_dtype(c)
     default = default_model_config()
     if c.fast:
         cases = [("Qwen2-shaped, 2 small layers, vocab 151,936", "qwen2", dict(memory.SMALL_QWEN, hidden_size=128,
@@ -242,8 +249,8 @@ def check_memory(c: Check) -> None:
             label, ckpt, rank, beta, bonus = check
             shape = memory.shape_of_config(config)
             need = memory.total(memory.estimate(shape, rows, 64 + completion, completion, beta, ckpt, rank,
-                                                torch.finfo(c.dtype).bits // 8, bonus, c.device))
-            name = f"memory, {model_name}, {label}{f', β {beta}' if beta else ''}"
+                                                torch.finfo(getattr(torch, dtype)).bits // 8, bonus, c.device))
+            name = f"memory, {model_name}, {label}{f', β {beta}' if beta else ''}, {dtype}"
             if free is not None and need > 0.8 * free:
                 c.report(name, None, f"not run: the estimate, {need / 2**30:.1f} GiB, is over 80% of the "
                                      f"{free / 2**30:.1f} GiB free here")
@@ -379,15 +386,15 @@ import json, resource, sys
 sys.path.insert(0, ".")
 import torch
 from tests.gpu_check import oom_update
-print("RESULT " + json.dumps(oom_update(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))))
+print("RESULT " + json.dumps(oom_update(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
 """
 
 
-def oom_update(device: str, headroom_gib: float, completion: int = 512) -> dict:
+def oom_update(device: str, headroom_gib: float, completion: int = 512, cpu_dtype: str = "bfloat16") -> dict:
     """One update of a model whose logits dominate (vocab 151,936, computed whole: --logprob-chunk -1), 16 rows x
     `completion` tokens per step with --micro-batch-size 0, in a process whose memory is capped `headroom_gib` above what it holds before the update:
     CUDA's per-process memory fraction, on a CPU the address space (RLIMIT_AS). Returns the sizes the halving
-    took, the loss and the skipped updates."""
+    took, the loss and the skipped updates. On a CPU it computes in `cpu_dtype`."""
     import io
     from contextlib import redirect_stdout
 
@@ -397,7 +404,7 @@ def oom_update(device: str, headroom_gib: float, completion: int = 512) -> dict:
     torch.manual_seed(0)
     config = Qwen2Config(**dict(memory.SMALL_QWEN, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                                 num_hidden_layers=1), max_position_embeddings=1024)
-    dtype = models.pick_dtype(dev) if device == "cuda" else torch.bfloat16
+    dtype = models.pick_dtype(dev) if device == "cuda" else getattr(torch, cpu_dtype)
     policy = models.compute_in(Qwen2ForCausalLM(config).to(dev), dtype)
     n, prompt = 16, 16
     ids = torch.randint(config.vocab_size, (n, prompt + completion))
@@ -430,14 +437,15 @@ def check_oom(c: Check) -> None:
     script = c.out / "runs" / "oom.py"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(OOM_SCRIPT)
-    code, last = c.subprocess("oom", [sys.executable, str(script), c.device, str(headroom), str(completion)])
+    code, last = c.subprocess("oom", [sys.executable, str(script), c.device, str(headroom), str(completion),
+                                      fast_cpu_dtype(c)])
     if code != 0 or not last.startswith("RESULT "):
         c.report("out of memory, halved and recovered", False, f"exit {code}: {last[:300]}")
         return
     m = json.loads(last[7:])
     ok, detail = oom_verdict(m["halvings"], m["loss"], m["skipped"])
-    c.report("out of memory, halved and recovered", ok, f"{detail}; 16 rows x {completion + 16} tokens, memory capped "
-             f"{headroom:g} GiB above the start", **m)
+    c.report("out of memory, halved and recovered", ok, f"{detail}; 16 rows x {completion + 16} tokens, "
+             f"{fast_cpu_dtype(c)}, memory capped {headroom:g} GiB above the start", **m)
 
 
 def check_bench(c: Check) -> None:
