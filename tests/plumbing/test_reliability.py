@@ -310,6 +310,27 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_policy_dir):
+    """The first Ctrl-C asks the step to finish and save; a second aborts without waiting for either (KeyboardInterrupt,
+    exit code not 0): the run stays unfinished and a checkpoint written earlier stays whole."""
+    proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500", "--save-every", "1"] + SMALL, tmp_path)
+    ckpts, deadline = tmp_path / "gspo-s0" / "checkpoints", time.time() + 120
+    while checkpoint.path_of(ckpts, 2) not in checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
+        time.sleep(0.01)  # step 2 saved (renamed into place last): step 3 has begun, its sampling seconds long
+    proc.send_signal(signal.SIGINT)
+    shown = ""
+    for line in proc.stdout:
+        shown += line
+        if "Ctrl-C again to abort" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out = shown + proc.communicate(timeout=60)[0]
+    assert proc.returncode not in (0, None) and "KeyboardInterrupt" in out, (proc.returncode, out[-2000:])
+    assert "stopped by" not in out and not (tmp_path / "gspo-s0" / "summary.json").exists()
+    assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")  # the earlier ones, still readable
+
+
 def test_no_moment_between_start_up_and_the_loop_without_a_stop_handler(tmp_path, tiny_policy_dir, monkeypatch):
     """The loop's handler is in place before start-up and start-up hands it back: the moment the first evaluation
     ends (and during the final save) Ctrl-C and SIGTERM mean "finish the step and save", not a process that dies
