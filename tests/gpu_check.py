@@ -434,18 +434,18 @@ def check_oom(c: Check) -> None:
     """16 rows at once need ~16 x 512 x 151,936 x 7 bytes of logits (8.7 GB; --fast: 256 tokens, half); the cap
     leaves room for a few rows."""
     headroom, completion = (2.0, 256) if c.fast else (4.0, 512)
+    dtype = fast_cpu_dtype(c)
     script = c.out / "runs" / "oom.py"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(OOM_SCRIPT)
-    code, last = c.subprocess("oom", [sys.executable, str(script), c.device, str(headroom), str(completion),
-                                      fast_cpu_dtype(c)])
+    code, last = c.subprocess("oom", [sys.executable, str(script), c.device, str(headroom), str(completion), dtype])
     if code != 0 or not last.startswith("RESULT "):
         c.report("out of memory, halved and recovered", False, f"exit {code}: {last[:300]}")
         return
     m = json.loads(last[7:])
     ok, detail = oom_verdict(m["halvings"], m["loss"], m["skipped"])
     c.report("out of memory, halved and recovered", ok, f"{detail}; 16 rows x {completion + 16} tokens, "
-             f"{fast_cpu_dtype(c)}, memory capped {headroom:g} GiB above the start", **m)
+             f"{dtype}, memory capped {headroom:g} GiB above the start", **m)
 
 
 def check_bench(c: Check) -> None:

@@ -270,6 +270,13 @@ def spawn(argv, out_dir):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+def wait_until(ready, every: float = 0.05, seconds: float = 120.0) -> None:
+    """Poll `ready()` until it holds or `seconds` pass (the assertions after it then say what did not happen)."""
+    deadline = time.time() + seconds
+    while not ready() and time.time() < deadline:
+        time.sleep(every)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir, lora):
@@ -279,9 +286,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_pa
     victim = spawn(argv, tmp_path / "kill")
     name = "dapo-lora4-s0" if lora else "dapo-s0"
     ckpts = tmp_path / "kill" / name / "checkpoints"
-    deadline = time.time() + 120
-    while not checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: checkpoint.all_checkpoints(ckpts))
     time.sleep(random.Random(os.getpid()).uniform(0.0, 1.0))  # somewhere in the middle of a later step or save
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -300,9 +305,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_pa
 def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
     proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500"] + SMALL, tmp_path)
     metrics = tmp_path / "gspo-s0" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
@@ -315,9 +318,9 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_policy_dir):
     """The first Ctrl-C asks the step to finish and save; a second aborts without waiting for either (KeyboardInterrupt,
     exit code not 0): the run stays unfinished and a checkpoint written earlier stays whole."""
     proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500", "--save-every", "1"] + SMALL, tmp_path)
-    ckpts, deadline = tmp_path / "gspo-s0" / "checkpoints", time.time() + 120
-    while checkpoint.path_of(ckpts, 2) not in checkpoint.all_checkpoints(ckpts) and time.time() < deadline:
-        time.sleep(0.01)  # step 2 saved (renamed into place last): step 3 has begun, its sampling seconds long
+    ckpts = tmp_path / "gspo-s0" / "checkpoints"
+    # step 2 saved (renamed into place last): step 3 has begun, its sampling seconds long
+    wait_until(lambda: checkpoint.path_of(ckpts, 2) in checkpoint.all_checkpoints(ckpts), every=0.01)
     proc.send_signal(signal.SIGINT)
     shown = ""
     for line in proc.stdout:
@@ -382,9 +385,7 @@ def test_ctrl_c_before_step_1_is_one_line_and_leaves_nothing(tmp_path, tiny_poli
     proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "2"] + SMALL, tmp_path)
     shown = ""
     if phase == "importing":
-        deadline = time.time() + 120
-        while not loading_torch(proc.pid) and time.time() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: loading_torch(proc.pid), every=0.005)
     else:
         for line in proc.stdout:  # the start-up lines come after the run folder is made, before the first evaluation
             shown += line
