@@ -57,6 +57,12 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(lora if lora.is_file() else run_dir / "final" / "model.safetensors")
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first, in their files' order: the two workers of -n 2 share them out and the 700 quick tests fill
+    the end, so that neither worker waits on a long test the other began last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory) -> Path:
     """A tiny model after 150 supervised steps (3 s): it writes the answer format, so rewards vary within groups."""
@@ -100,7 +106,7 @@ def float64():
 
 
 # torchrun from the tests (test_ddp.py, test_fsdp.py): 2 CPU processes, gloo, one thread each
-TORCHRUN_SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "40", "--wandb-mode", "disabled",
+TORCHRUN_SMALL = ["--num-prompts", "4", "--num-generations", "4", "--eval-size", "8", "--wandb-mode", "disabled",
                   "--num-minibatches", "2"]
 
 

@@ -25,6 +25,7 @@ Every subprocess has a time limit (--timeout, seconds).
               k3 KL(mu || pi_old) <= 0.01 and at most 2% of tokens beyond |d log p| = 0.2
   generation  bf16 generate with autocast entered per forward (each weight cast at every token) against one autocast
               region (cast once): at most one cast per weight matrix, the same tokens, and on a GPU not slower
+              (--fast: 16 new tokens)
   oom         a real out-of-memory error in the update (the process's memory capped: CUDA's memory fraction, on a CPU
               its address space) is halved and the update completes, finite and unskipped (--fast on a CPU: float32)
   bench       one tools.bench line (this project's RL step, bf16 where native): its FLOP/s against the matmul peak
@@ -359,12 +360,13 @@ def weight_casts(policy, fn) -> int:
 
 def check_generation(c: Check) -> None:
     policy, tok, args, cfg, prompts, _ = default_policy(c, c.dtype)
+    new_tokens = 16 if c.fast else args.max_new_tokens  # --fast: the profiler's cost grows with every token's ops
     casts, seconds, outs = {}, {}, {}
     for path in ("per forward", "one region"):
         def sample():
             torch.manual_seed(0)
             with torch.inference_mode() if path == "per forward" else contextlib.nullcontext():  # as before 45.5
-                outs[path] = rollout.generate(policy, tok, prompts, args.max_new_tokens)
+                outs[path] = rollout.generate(policy, tok, prompts, new_tokens)
         casts[path] = weight_casts(policy, sample)  # (also the warm-up)
         times = []
         for _ in range(1 if c.fast else 3):
@@ -431,9 +433,9 @@ def oom_update(device: str, headroom_gib: float, completion: int = 512, cpu_dtyp
 
 
 def check_oom(c: Check) -> None:
-    """16 rows at once need ~16 x 512 x 151,936 x 7 bytes of logits (8.7 GB; --fast: 256 tokens, half); the cap
-    leaves room for a few rows."""
-    headroom, completion = (2.0, 256) if c.fast else (4.0, 512)
+    """16 rows at once need ~16 x 512 x 151,936 x 7 bytes of logits (8.7 GB against a 4 GiB cap; --fast: 128
+    tokens, 2.2 GB against 1 GiB); the cap leaves room for a few rows."""
+    headroom, completion = (1.0, 128) if c.fast else (4.0, 512)
     dtype = fast_cpu_dtype(c)
     script = c.out / "runs" / "oom.py"
     script.parent.mkdir(parents=True, exist_ok=True)

@@ -45,8 +45,9 @@ def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
 def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     """A 2-process DAPO run (dynamic sampling: ranks draw extra rounds together) finishes; its first evaluation, sharded
     over ranks, equals the 1-process one; rank 0 alone wrote one line per step; the final model and summary exist."""
+    small = SMALL + ["--eval-size", "40"]  # 20 held-out problems per rank
     argv = ["--model", str(tiny_policy_dir), "--algo", "dapo", "--total-steps", "4", "--eval-every", "2",
-            "--max-sampling-rounds", "30", "--output-dir", str(tmp_path / "two")] + SMALL
+            "--max-sampling-rounds", "30", "--output-dir", str(tmp_path / "two")] + small
     code, out, err = finish(torchrun(2, "train.py", argv))
     assert code == 0, err[-3000:]
     assert "2 processes" in out and out.count("held-out accuracy before") == 1  # rank 0 speaks for all
@@ -55,8 +56,8 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert any(r["dynamic/drawn"] > 4 for r in rows[1:])  # extra rounds happened, in step on both ranks
     assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
-    one = subprocess.run([sys.executable, "train.py", *argv[:-len(SMALL) - 2], "--output-dir", str(tmp_path / "one"),
-                          "--total-steps", "1", *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    one = subprocess.run([sys.executable, "train.py", *argv[:-len(small) - 2], "--output-dir", str(tmp_path / "one"),
+                          "--total-steps", "1", *small], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert one.returncode == 0, one.stderr[-2000:]
     first = metrics_without_timing(tmp_path / "one" / "dapo-s0")[0]
@@ -79,8 +80,8 @@ def test_one_process_under_torchrun_is_the_plain_run(tmp_path, tiny_policy_dir):
 
 
 def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
-    argv = ["--model", str(tiny_policy_dir), "--algo", "grpo", "--total-steps", "30", "--save-every", "2",
-            "--eval-every", "10"] + SMALL
+    argv = ["--model", str(tiny_policy_dir), "--algo", "grpo", "--total-steps", "12", "--save-every", "2",
+            "--eval-every", "6"] + SMALL  # the kill lands within a second of step 2's checkpoint: steps 2-4
     code, _, err = finish(torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "ref")]))
     assert code == 0, err[-3000:]
     victim = torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "kill")])
