@@ -8,6 +8,8 @@ plumbing.ddp's World: a logged statistic is that of the whole rollout, every ran
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -134,9 +136,20 @@ def peak_memory_gib() -> float:
     """This process's peak so far: CUDA's allocated high-water mark where CUDA is in use, else the resident set's."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
-    import resource
+    return resident_peak_gib()
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+def resident_peak_gib() -> float:
+    """The high-water mark of this process's resident memory: Linux's VmHWM (getrusage's ru_maxrss keeps the peak of
+    the process that started this one, across fork and exec); elsewhere ru_maxrss, which macOS counts in bytes."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**20  # kB
+    except (OSError, StopIteration):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
 
 # ---------------------------------------------------------------------------------------------------------------

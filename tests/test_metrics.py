@@ -5,7 +5,10 @@ rows have different lengths. Elsewhere these keys are only checked to be finite;
 (ratio/abs_log_* is its manipulation check, ratio/seq_logsum_var claim 1's quantity)."""
 
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -176,3 +179,23 @@ def test_length_buckets_sort_rows_by_length_and_spread_within_each():
 def test_masked_var_is_the_population_variance_of_the_valid_entries():
     x, mask = torch.tensor([[1.0, 4.0, 100.0]]), torch.tensor([[1.0, 1.0, 0.0]])
     assert losses.masked_var(x, mask) == 2.25 and losses.masked_var(x, torch.tensor([[0.0, 1.0, 0.0]])) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's (elsewhere ru_maxrss is read)")
+def test_the_resident_peak_is_this_process_not_the_one_that_started_it():
+    """perf/peak_memory_gib on a CPU: a process started by one that held 1.5 GiB reports its own peak, not that one's.
+    getrusage's ru_maxrss keeps the parent's peak across fork and exec (checked here too, so the test can see the
+    fault); it made the update-memory test in test_gpu_path.py read 0 MiB whenever its pytest worker had peaked higher
+    before."""
+    held = bytearray(1536 * 2**20)
+    held[::4096] = b"\x01" * len(range(0, len(held), 4096))  # every page resident
+    code = ("import resource, metrics; print(metrics.resident_peak_gib(), "
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(metrics.__file__).parent, capture_output=True,
+                         text=True, timeout=120)
+    del held
+    assert out.returncode == 0, out.stderr[-2000:]
+    own, inherited = (float(x) for x in out.stdout.split())
+    assert inherited >= 1.5, inherited  # the fault is there to be seen
+    assert 0.01 < own < 1.0, own  # python and torch, not the parent's 1.5 GiB

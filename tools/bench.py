@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -86,7 +85,9 @@ def instruct(cfg: dict) -> bool:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import metrics
+
+    return metrics.resident_peak_gib() * 1024
 
 
 def matmul_peak_flops(device: str = "cpu", dtype: str = "float32", repeats: int = 8) -> float:

@@ -521,9 +521,10 @@ def test_out_of_memory_in_a_periodic_evaluation_saves_the_step_and_is_one_line(t
 
 
 PEAK_SCRIPT = r"""
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, ".")
 import train, rollout
+from metrics import resident_peak_gib
 from plumbing import logs, run as runs
 from transformers import LlamaConfig, LlamaForCausalLM
 rows, micro, vocab, T = (int(a) for a in sys.argv[1:5])
@@ -539,9 +540,9 @@ args, cfg = runs.resolve(args)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 batch = train.Batch(ro, [None] * rows, {}, [""] * rows)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = resident_peak_gib()
 train.update(model, None, opt, sched, batch, torch.randn(rows), cfg, args, torch.Generator().manual_seed(0))
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB above the start-up's peak
+print((resident_peak_gib() - before) * 1024)  # MiB above the start-up's peak
 """
 
 
