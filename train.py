@@ -412,9 +412,11 @@ def train(args: Args) -> dict:
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped
         return runs.finish_run(run, logged)
-    except BaseException:
+    except BaseException as e:
         if run is not None:  # (start-up closes its own)
             run.logger.finish()
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: one line, not a traceback
+            raise lifecycle.aborted(run_dir) from None
         raise
     finally:
         stop.restore()

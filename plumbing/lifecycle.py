@@ -165,6 +165,15 @@ class GracefulStop:
             signal.signal(s, handler)
 
 
+def aborted(run_dir: Path) -> Interrupted:
+    """The one line for a second Ctrl-C (KeyboardInterrupt): the step it fell in is lost, earlier checkpoints are whole
+    (each is renamed into place only once written)."""
+    last = checkpoint.all_checkpoints(run_dir / "checkpoints")
+    where = f"resume from the latest checkpoint ({last[-1].name}) with the same flags plus --resume auto" if last \
+        else "no checkpoint was written (--save-every N keeps some); start again with --overwrite"
+    return Interrupted(f"aborted by a second Ctrl-C: the step under way is lost; {where}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Out of memory
 # ---------------------------------------------------------------------------------------------------------------

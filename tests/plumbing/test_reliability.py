@@ -315,8 +315,8 @@ def test_sigterm_saves_and_exits_zero(tmp_path, tiny_policy_dir):
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_policy_dir):
-    """The first Ctrl-C asks the step to finish and save; a second aborts without waiting for either (KeyboardInterrupt,
-    exit code not 0): the run stays unfinished and a checkpoint written earlier stays whole."""
+    """The first Ctrl-C asks the step to finish and save; a second aborts without waiting for either, in one line that
+    names the checkpoint to resume (exit code 2, no traceback): the run stays unfinished and that checkpoint whole."""
     proc = spawn(["--model", str(tiny_policy_dir), "--total-steps", "500", "--save-every", "1"] + SMALL, tmp_path)
     ckpts = tmp_path / "gspo-s0" / "checkpoints"
     # step 2 saved (renamed into place last): step 3 has begun, its sampling seconds long
@@ -329,9 +329,13 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_policy_dir):
             break
     proc.send_signal(signal.SIGINT)
     out = shown + proc.communicate(timeout=60)[0]
-    assert proc.returncode not in (0, None) and "KeyboardInterrupt" in out, (proc.returncode, out[-2000:])
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in out and len(errors) == 1, (proc.returncode, out[-2000:])
+    assert errors[0].startswith("error: aborted by a second Ctrl-C: the step under way is lost; resume from the "
+                                "latest checkpoint (step-"), errors
     assert "stopped by" not in out and not (tmp_path / "gspo-s0" / "summary.json").exists()
-    assert checkpoint.all_checkpoints(tmp_path / "gspo-s0" / "checkpoints")  # the earlier ones, still readable
+    named = errors[0].split("(")[1].split(")")[0]
+    assert checkpoint.load_state(ckpts / named)["step"] >= 2  # the one named is whole and readable
 
 
 def test_no_moment_between_start_up_and_the_loop_without_a_stop_handler(tmp_path, tiny_policy_dir, monkeypatch):
