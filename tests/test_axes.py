@@ -91,11 +91,13 @@ def test_masking_truncated_completions_equals_trl(algo, loss_type, seed):
 
 
 def test_both_end_to_end_masking_reaches_the_loss(tmp_path, tiny_policy_dir):
-    """One new token each: every completion is truncated. With --mask-truncated nothing is left to train (loss and
-    gradient exactly 0 in every step whose completions were all masked); without it the same run trains. Dual-clip's
-    fraction is logged beside."""
+    """One new token each: every completion is truncated and no reward can differ, so every advantage is 0 and the
+    gradient is the entropy bonus's (the KL to a reference equal to the policy gives rounding's at most: 0 on some
+    CPUs). With --mask-truncated nothing is left to train, the bonus included (loss and gradient exactly 0 in every
+    step whose completions were all masked); without it the same run trains. Dual-clip's fraction is logged beside."""
     common = {**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
-              "max_new_tokens": 1, "clip_ratio_c": 1.5, "lr": 1e-2, "save_model": False, "total_steps": 2}
+              "max_new_tokens": 1, "clip_ratio_c": 1.5, "entropy_coef": 0.01, "lr": 1e-2, "save_model": False,
+              "total_steps": 2}
     rows = {}
     for masked in (True, False):
         train.train(train.Args(**common, mask_truncated=masked, run_name=f"masked-{masked}"))
