@@ -10,8 +10,8 @@
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
-A step holds, besides the CUDA context and the allocator's slack (not counted), in three phases whose largest is the
-peak (`total`):
+A step holds, besides the CUDA context and the allocator's slack (not counted), in four phases whose largest is the
+peak (`total`; PHASES says which parts each holds):
     resident        model.resident_bytes: fp32 weights (4 bytes per parameter), autocast's bf16 copies while a
                     forward's graph lives (2), fp32 gradients (4), AdamW's two moments (8), and with β > 0 the
                     reference (model.frozen_reference: linear layers in bf16, embeddings and norms fp32); LoRA: the
@@ -21,7 +21,11 @@ peak (`total`):
                     per token and layer, ACTS below: under bf16 autocast the residual stream and both RMSNorms'
                     inputs and outputs are fp32, and the norm's output is cast to bf16 once for each projection that
                     reads it; with gradient checkpointing, each layer's input (4 bytes x h; 2 for LoRA's bf16 base)
-                    plus one layer's full set while it is recomputed
+    recomputed layer  with gradient checkpointing, one layer's full set while the layers' backward recomputes it:
+                    that phase comes after the log-prob path's backward has freed its memory, so the two do not add
+    embedding gradient  a full fine-tune's input embedding makes its gradient whole (fp32, V x h) at the end of the
+                    layers' backward before adding it to the weights' (counted in that phase with all activations:
+                    most are freed by then, so the phase errs high)
     logits          the log-prob path. Chunked (the default wherever a micro-batch's completion logits exceed one
                     chunk, --logprob-chunk): one chunk's logits and softmax temporaries, the completion positions'
                     hidden states kept for the backward and their gradient, and the head's gradient (CHUNKED below).
@@ -106,16 +110,20 @@ def lora_params(s: Shape, rank: int) -> float:
     return s.layers * sum(rank * (a + b) for a, b in (shapes[p] for p in PROJECTIONS))
 
 
-def activations(s: Shape, rows: int, tokens: int, compute_bytes: int, lora_rank: int, checkpointing: bool) -> float:
-    """What one micro-batch's forward keeps for its backward (ACTS), bytes."""
+def layer_bytes(s: Shape, compute_bytes: int, lora_rank: int) -> float:
+    """What autograd saves per token in one decoder layer (ACTS), bytes."""
     a_h, a_q, a_kv, a_i = ACTS[(bool(lora_rank), compute_bytes)]
-    layer = a_h * s.hidden + a_q * s.q + a_kv * s.kv + a_i * s.intermediate + 4 * s.heads + 8 \
+    return a_h * s.hidden + a_q * s.q + a_kv * s.kv + a_i * s.intermediate + 4 * s.heads + 8 \
         + compute_bytes * lora_rank * len(PROJECTIONS)
-    outside = OUTSIDE_LAYERS[(bool(lora_rank), compute_bytes)] * s.hidden
-    if checkpointing:  # each layer's input, in the residual stream's precision, and one layer recomputed
-        residual = compute_bytes if lora_rank else 4
-        return rows * tokens * (s.layers * residual * s.hidden + layer + outside)
-    return rows * tokens * (s.layers * layer + outside)
+
+
+def activations(s: Shape, rows: int, tokens: int, compute_bytes: int, lora_rank: int, checkpointing: bool) -> float:
+    """What one micro-batch's forward keeps for its backward, bytes: every layer's saved tensors (layer_bytes), or
+    with checkpointing each layer's input alone, in the residual stream's precision (the layer recomputed in the
+    backward is the estimate's "recomputed layer", held in the layers' backward only)."""
+    kept = ((compute_bytes if lora_rank else 4) * s.hidden if checkpointing
+            else layer_bytes(s, compute_bytes, lora_rank))
+    return rows * tokens * (s.layers * kept + OUTSIDE_LAYERS[(bool(lora_rank), compute_bytes)] * s.hidden)
 
 
 def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool, lora_rank: int = 0,
@@ -129,6 +137,8 @@ def estimate(s: Shape, rows: int, tokens: int, completion: int, beta: float, che
     largest = lora_params(s, lora_rank) / (s.layers * len(PROJECTIONS)) if lora_rank else s.vocab * s.hidden
     return {**resident,
             "activations": activations(s, rows, tokens, compute_bytes, lora_rank, checkpointing),
+            "recomputed layer": rows * tokens * layer_bytes(s, compute_bytes, lora_rank) if checkpointing else 0.0,
+            "embedding gradient": 0.0 if lora_rank else 4 * s.vocab * s.hidden,
             **logits(s, rows, completion, compute_bytes, entropy_bonus, chunk),
             "optimizer step": 0.0 if device == "cuda" else 2 * 4 * largest}
 
@@ -148,9 +158,10 @@ def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bon
             "pi_old pass": size * s.vocab * k0 + n * s.hidden * a0 + s.vocab * s.hidden * w0}
 
 
+RESIDENT = ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter")  # while it trains
 PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, and the transients here)
-    "update": ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter", "activations",
-               "logits"),
+    "update": (*RESIDENT, "activations", "logits"),  # a micro-batch's forward and its log-prob path's backward
+    "layers' backward": (*RESIDENT, "activations", "recomputed layer", "embedding gradient"),  # log-prob path freed
     "optimizer step": ("weights", "gradients", "AdamW moments", "reference", "adapter", "optimizer step"),
     "pi_old pass": ("weights", "AdamW moments", "reference", "adapter", "pi_old pass"),
 }
@@ -403,8 +414,8 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
     a few short rows (AdamW's moments, kernels and threads exist after it), then train.update over 4 x `rows` rows
     of `prompt` + `completion` tokens with π_old recomputed, in 2 minibatches of 2 micro-batches of `rows` (the
     gradients are whole during a step's second micro-batch), as the estimate counts. Returns the tensor memory at
-    the peak of each phase (the π_old pass and the first micro-batches, each optimizer step, the second step's
-    micro-batches) in bytes, and the estimate."""
+    the peak of the update and of each of the estimate's phases (PHASES; hooks on the policy's forward, the decoder's
+    output gradient and the optimizer step mark them) in bytes, and the estimate's."""
     import copy
 
     import torch
@@ -453,20 +464,34 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
     pi_old_peak = peak.read()
     del pi_old
 
-    def mark(*_):  # the peak of what came before an optimizer step, then of the step itself
-        seen.append(peak.read())
-        peak.reset()
+    # the update's timeline in the estimate's phases: each mark closes the span since the last one under its phase
+    phase = ["other"]  # the span being measured: a pass without gradient (pi_old's), a micro-batch's forward and its
+    # log-prob path's backward ("update", up to the gradient reaching the decoder's output), the layers' backward
 
-    opt.register_step_pre_hook(mark)
-    opt.register_step_post_hook(mark)
+    def mark(name):
+        seen.append((phase[0], peak.read()))
+        peak.reset()
+        phase[0] = name
+
+    def at_decoder_output(_module, _args, out) -> None:  # (returns None: the output stays as it is)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        if hidden.requires_grad:
+            hidden.register_hook(lambda _: mark("layers' backward"))
+
+    policy.register_forward_pre_hook(lambda *_: mark("update" if torch.is_grad_enabled() else "pi_old pass"))
+    rollout.output_layers(policy)[1].register_forward_hook(at_decoder_output)
+    opt.register_step_pre_hook(lambda *_: mark("optimizer step"))
+    opt.register_step_post_hook(lambda *_: mark("other"))
     peak.reset()
     update(4 * rows, completion)
+    mark("other")
     s = shape_of_config(config, "Qwen2-shaped")
     e = estimate(s, rows, prompt + completion, completion, beta, checkpointing, lora_rank,
                  torch.finfo(compute).bits // 8, entropy_bonus, dev.type, logprob_chunk)
-    return {"phases": dict(zip(["pi_old pass and first micro-batches", "optimizer step 1", "second step's micro-batches",
-                                "optimizer step 2"], seen)), "peak": max(seen), "pi_old pass": pi_old_peak,
-            "estimate": total(e),
+    measured = {}  # each phase's highest peak over the update
+    for name, bytes_ in seen:
+        measured[name] = max(measured.get(name, 0), bytes_)
+    return {"phases": measured, "peak": max(measured.values()), "pi_old pass": pi_old_peak, "estimate": total(e),
             "estimated phases": phases(e), "params": sum(p.numel() for p in policy.parameters())}
 
 
@@ -540,7 +565,8 @@ def chunking_header(config: dict, rows: int, completion: int, dtype: str, device
 def check_header(config: dict, rows: int, completion: int, dtype: str, device: str, logprob_chunk: int) -> str:
     return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, "
             f"{dtype}, {device}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens, --logprob-chunk "
-            f"{logprob_chunk} | β | measured peak | estimate | estimate / measured |\n|---|---|---|---|---|")
+            f"{logprob_chunk} | β | measured peak | estimate | estimate / measured | the peak's phase: measured / "
+            "estimated |\n|---|---|---|---|---|---|")
 
 
 def check_summary(ratios: list[float], unit: str = "set-up") -> str:
@@ -552,9 +578,14 @@ def check_summary(ratios: list[float], unit: str = "set-up") -> str:
             f"measured {min(ratios):.2f}-{max(ratios):.2f}){side}.")
 
 
+def peak_phase(phase_bytes: dict[str, float]) -> str:
+    """The phase whose peak is the step's (PHASES' names; measure_update's spans carry the same)."""
+    return max(phase_bytes, key=phase_bytes.get)
+
+
 def check_row(m: dict) -> str:
     return (f"| {m['label']} | {m['beta']} | {m['peak'] / GiB:.2f} GiB | {m['estimate'] / GiB:.2f} GiB | "
-            f"{m['ratio']:.2f} |")
+            f"{m['ratio']:.2f} | {peak_phase(m['phases'])} / {peak_phase(m['estimated phases'])} |")
 
 
 @dataclass
@@ -655,9 +686,9 @@ def for_shape(a: MemoryArgs, s: Shape) -> str:
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
              f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} "
              f"rows x {tokens} tokens" + ("" if a.micro_batch_size else " (--micro-batch-size 0: a whole minibatch)")]
-    lines += [f"  {k:<16} {v / GiB:7.2f} GiB" for k, v in parts.items() if v]
+    lines += [f"  {k:<18} {v / GiB:7.2f} GiB" for k, v in parts.items() if v]
     lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(parts).items()]
-    lines.append(f"  {'peak':<16} {total(parts) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} of a card for "
+    lines.append(f"  {'peak':<18} {total(parts) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} of a card for "
                  "the CUDA context and the allocator's cache)")
     for card in CARDS:
         fit = rows_that_fit(s, card, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank,

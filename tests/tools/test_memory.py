@@ -31,9 +31,15 @@ def test_memory_table_in_the_docs_is_the_estimate_and_counts_lora_as_peft_does(t
     # the pi_old pass grows with the rows per forward (the micro-batch); the peak is the largest phase
     assert memory.estimate(shape, 4, 10, 4, 0.0, False)["pi_old pass"] > e["pi_old pass"]
     phases = memory.phases(e)
-    assert memory.total(e) == max(phases.values()) == phases["update"]
-    assert phases["update"] == sum(e[k] for k in ("weights", "autocast copies", "gradients", "AdamW moments",
-                                                  "reference", "activations", "logits"))
+    assert memory.total(e) == max(phases.values())
+    resident = ("weights", "autocast copies", "gradients", "AdamW moments", "reference")
+    assert phases["update"] == sum(e[k] for k in (*resident, "activations", "logits"))
+    # the layers' backward: a full fine-tune's embedding gradient made whole (fp32, V x h), no layer recomputed
+    # without checkpointing; at 2 rows x 4 completion tokens it outweighs the logits and sets the peak
+    assert e["embedding gradient"] == 4 * shape.vocab * shape.hidden and e["recomputed layer"] == 0
+    assert phases["layers' backward"] == sum(e[k] for k in (*resident, "activations", "embedding gradient"))
+    assert memory.total(e) == phases["layers' backward"] > phases["update"]
+    assert memory.estimate(shape, 2, 10, 4, 0.0, False, lora_rank=4)["embedding gradient"] == 0  # frozen embeddings
     assert memory.estimate(shape, 2, 10, 4, 0.04, False, lora_rank=4).get("reference", 0) == 0  # the base, adapter off
     assert memory.estimate(shape, 2, 10, 4, 0.0, True)["activations"] < e["activations"]
     # cards in GiB, with the margin left free
@@ -291,12 +297,14 @@ def test_the_measured_tables_carry_today_s_estimates():
                                     .splitlines()[0])
     setups = {(label, beta): (ckpt, rank, bonus) for label, ckpt, rank, beta, bonus in memory.CHECKS}
     assert len(rows) == len(setups)
-    for label, beta, measured, estimated, ratio in rows:
+    for label, beta, measured, estimated, ratio, phase in rows:
         ckpt, rank, bonus = setups[(label, float(beta))]
-        e = memory.total(memory.estimate(s, 4, 576, 512, float(beta), ckpt, rank, 2, bonus, "cpu", 0)) / gib
+        parts = memory.estimate(s, 4, 576, 512, float(beta), ckpt, rank, 2, bonus, "cpu", 0)
+        e = memory.total(parts) / gib
         assert estimated == f"{e:.2f} GiB", (label, beta, estimated, e)
         assert abs(float(ratio) - e / float(measured.split()[0])) < 0.011, (label, ratio)  # both rounded
-    assert summary.startswith(memory.check_summary([float(r[-1]) for r in rows])), summary
+        assert phase.split(" / ")[1] == memory.peak_phase(memory.phases(parts)), (label, phase)
+    assert summary.startswith(memory.check_summary([float(r[4]) for r in rows])), summary
 
     *rows, (summary,) = table_after(lines, memory.chunking_header(memory.SMALL_QWEN, 8, 512, "bfloat16", "cpu")
                                     .splitlines()[0])
