@@ -515,7 +515,8 @@ def context_without_loading(name: str, dataset: str) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-SHIPPED = Path(__file__).parent / "weights"  # warm starts committed with the code (the default run's, seed 0)
+SHIPPED = Path(__file__).parent / "weights"  # warm starts committed with the code: seed 0 of the default task's
+# recipe and of the long task's (the default runs of --dataset embedded and embedded-long)
 
 
 def warm_start_path(seed: int, settings: dict, cache: Path | None = None) -> Path:

@@ -88,8 +88,9 @@ def test_the_long_task_phrased_for_a_chat_model():
 
 @pytest.mark.slow
 def test_warm_start_lands_in_the_accuracy_window():
-    """The real long-task warm start (built once, ~3.6 min on 2 cores; cached): greedy held-out accuracy between 15%
-    and 50%, and sampled groups with mixed correctness, so RL has something to fix and a signal to fix it with."""
+    """The real long-task warm start (seed 0's ships in weights/; its recipe builds the others in a few minutes):
+    greedy held-out accuracy between 15% and 50%, and sampled groups with mixed correctness, so RL has something to
+    fix and a signal to fix it with."""
     path = models.warm_start(seed=0, settings=models.WARM_START_LONG, quiet=True)
     args, _ = runs.resolve(train.Args(dataset="embedded-long", model=str(path)))
     policy, tokenizer = models.load_model(str(path), torch.device("cpu"), torch.float32)

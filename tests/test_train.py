@@ -300,19 +300,22 @@ def test_gradient_checkpointing_run_has_the_same_metrics(tmp_path, tiny_policy_d
                 assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
 
 
-def test_the_default_warm_start_ships_with_the_code(tmp_path, monkeypatch):
-    """Seed 0 of the default recipe is committed in weights/: found without building (seconds, not minutes) and
-    without the cache, and it is a loadable model of the recipe's shape."""
+@pytest.mark.parametrize("dataset", ["embedded", "embedded-long"])
+def test_the_default_warm_starts_ship_with_the_code(tmp_path, monkeypatch, dataset):
+    """Seed 0 of each embedded recipe (the default task's and the long task's) is committed in weights/: found
+    without building (seconds, not minutes) and without the cache, and it is a loadable model of the recipe's shape."""
     import model as models
 
+    settings = models.warm_start_settings(dataset)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     start = time.time()
-    path = models.warm_start(seed=0, settings=models.WARM_START)
+    path = models.warm_start(seed=0, settings=settings)
     assert path.parent == models.SHIPPED and time.time() - start < 5
     policy, _ = models.load_model(str(path), torch.device("cpu"), torch.float32)
-    assert policy.config.hidden_size == models.WARM_START["hidden"]
+    assert policy.config.hidden_size == settings["hidden"]
+    assert policy.config.max_position_embeddings == settings.get("max_positions", 128)
     assert not (tmp_path / "empty-cache").exists()
-    assert models.warm_start_path(1, models.WARM_START).parent != models.SHIPPED  # other seeds are built
+    assert models.warm_start_path(1, settings).parent != models.SHIPPED  # other seeds are built
 
 
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
