@@ -302,8 +302,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                     step.keep(loss, seen)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if log.finite(step, grad_norm, world):  # PLUMBING: a non-finite loss or gradient skips the update
-                with lifecycle.optimizer_memory(policy, device):
-                    optimizer.step()
+                optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if entropy_control:  # ALGO: Skywork-OR1's controller moves the coefficient after every optimizer step
@@ -388,7 +387,7 @@ def train(args: Args) -> dict:
         logged, run.started = run.before, time.time()
         resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
         failures = lifecycle.StepFailures(run.save, run_dir, resume_hint, run.gen, run.stream, run.scheduler,
-                                          world.size)
+                                          world.size, run.optimizer, run.policy)
         watch = lifecycle.Watch(args.max_nonfinite_steps, args.num_minibatches * args.num_epochs, args.answer_format,
                                 args.max_new_tokens, run.train_set[0].answer)  # non-finite streaks stop the run
         for step in range(run.first_step, args.total_steps + 1):

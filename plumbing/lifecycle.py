@@ -6,7 +6,7 @@ train.py calls these; none holds RL.
     NewRunFolder            the folder start-up made is removed again if start-up fails, so the command can rerun
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
     shrink_on_oom, halved   --micro-batch-size 0: halve the micro-batch after an out-of-memory error, and remember
-    optimizer_memory(...)   out of memory in the optimizer step: the sizes that do not fit, and no checkpoint
+    optimizer_out_of_memory  out of memory in the optimizer step: the sizes that do not fit, and no checkpoint
     StepFailures            a failed RL step (dynamic sampling gave up, out of memory) or held-out evaluation (out
                             of memory) becomes one line naming what was saved
     Watch                   after every step: a streak of steps whose updates were all non-finite stops the run;
@@ -208,27 +208,18 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
-@contextlib.contextmanager
-def optimizer_memory(policy, device: torch.device):
-    """Around the optimizer step: running out of memory there (AdamW allocates its two moments at the first step) is
-    not a matter of batch size, and the step may have moved some moments already: one line with the sizes, and no
-    checkpoint of a step that did not happen (StepFailures)."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        free_cached_memory()
-        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-        params = [p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters()]  # --fsdp: this card's
-        trained = sum(p.numel() for p in params if p.requires_grad)
-        weights = sum(p.numel() * p.element_size() for p in params)
-        total = f" ({gib(torch.cuda.mem_get_info(device)[1])})" if device.type == "cuda" else ""
-        raise OptimizerOutOfMemory(
-            f"the weights ({gib(weights)}), their fp32 gradients ({gib(4 * trained)}) and AdamW's two moments "
+def optimizer_out_of_memory(policy, device: torch.device) -> str:
+    """What to say when the optimizer step runs out of memory (AdamW allocates its two moments at the first step):
+    not a matter of batch size, so the sizes that do not fit and what helps."""
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters()]  # --fsdp: this card's
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    total = f" ({gib(torch.cuda.mem_get_info(device)[1])})" if device.type == "cuda" else ""
+    return (f"the weights ({gib(weights)}), their fp32 gradients ({gib(4 * trained)}) and AdamW's two moments "
             f"({gib(8 * trained)} for {trained / 1e6:.1f}M trained parameters) do not fit on {device}{total} beside "
             "the rest; fewer rows per forward do not help. Train LoRA adapters instead (--lora-rank 16), take a "
-            "smaller model, shard it over more devices (--fsdp under torchrun), or a device with more memory") from None
+            "smaller model, shard it over more devices (--fsdp under torchrun), or a device with more memory")
 
 
 AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> micro-batch size that fits
@@ -269,12 +260,17 @@ def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset)
 class StepFailures:
     """Wraps one RL step. If dynamic sampling gives up, nothing was updated, so the state the step started from is
     saved (every rank takes part: the decision was global). If memory runs out before the first optimizer step of
-    the step, the same is saved in a single process; otherwise the latest checkpoint is named."""
+    the step, the same is saved in a single process; otherwise the latest checkpoint is named. If it runs out inside
+    an optimizer step (seen by the optimizer's step hooks), the step may have moved some moments already and a resume
+    would meet it again: one line with the sizes (optimizer_out_of_memory), and no checkpoint."""
 
     def __init__(self, save, run_dir: Path, resume_hint: str, gen: torch.Generator, stream, scheduler,
-                 world_size: int):
+                 world_size: int, optimizer: torch.optim.Optimizer, policy):
         self.save, self.run_dir, self.hint, self.gen = save, run_dir, resume_hint, gen
-        self.stream, self.scheduler, self.world_size = stream, scheduler, world_size
+        self.stream, self.scheduler, self.world_size, self.policy = stream, scheduler, world_size, policy
+        self.in_optimizer = False  # between the optimizer step's start and its end
+        optimizer.register_step_pre_hook(lambda *_: setattr(self, "in_optimizer", True))
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "in_optimizer", False))
 
     def __call__(self, step: int) -> "StepFailures":
         self.step, self.rng, self.cursor = step, checkpoint.rng_state(self.gen), self.stream.cursor
@@ -290,9 +286,12 @@ class StepFailures:
             raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
                                        "or start again with --overwrite and more --num-generations or "
                                        "--dynamic-sampling False") from None
-        if isinstance(exc, OptimizerOutOfMemory):  # nothing worth saving: resuming would meet it again
-            raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: {exc}; no "
-                                       "checkpoint of this step was written") from None
+        if exc is not None and is_out_of_memory(exc) and self.in_optimizer:  # nothing worth saving
+            free_cached_memory()
+            device = next(self.policy.parameters()).device
+            raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: "
+                                       f"{optimizer_out_of_memory(self.policy, device)}; no checkpoint of this step "
+                                       "was written") from None
         if exc is not None and is_out_of_memory(exc):
             unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None

@@ -183,3 +183,33 @@ def test_out_of_memory_halves_the_micro_batch_only_where_the_size_is_free_and_th
     with pytest.raises(ValueError):
         lifecycle.shrink_on_oom(lambda micro: int("x"), 16, 0, lambda: None, key=f"{key} other")
     lifecycle.AUTO_MICRO_BATCH.pop(key, None)
+
+
+def test_out_of_memory_is_blamed_on_the_optimizer_step_only_while_one_runs(tmp_path):
+    """StepFailures reads the optimizer's step hooks: out of memory inside optimizer.step() is the resident state's
+    problem (no checkpoint, --lora-rank advice); the same error in a forward after a finished optimizer step is the
+    batch's (the latest checkpoint is named). A hook left unset or never cleared fails one of the two."""
+    from base.errors import OptimizerOutOfMemory, OutOfMemory
+
+    policy = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    stream = types.SimpleNamespace(cursor=0)
+    failures = lifecycle.StepFailures(lambda *a: pytest.fail("saved"), tmp_path, "resume", torch.Generator(), stream,
+                                      scheduler, 1, optimizer, policy)
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(OptimizerOutOfMemory, match="optimizer step of step 1.*AdamW's two moments.*--lora-rank"):
+        with failures(1):
+            policy(torch.ones(1, 4)).sum().backward()
+            optimizer.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(oom))  # the moments do not fit
+            optimizer.step()
+    optimizer = torch.optim.AdamW(policy.parameters())
+    failures = lifecycle.StepFailures(lambda *a: pytest.fail("saved"), tmp_path, "resume", torch.Generator(), stream,
+                                      scheduler, 1, optimizer, policy)
+    with pytest.raises(OutOfMemory) as raised:
+        with failures(2):
+            policy(torch.ones(1, 4)).sum().backward()
+            optimizer.step()  # an optimizer step that ends
+            scheduler.step()
+            raise oom  # then the next forward runs out
+    assert not isinstance(raised.value, OptimizerOutOfMemory) and "out of memory in step 2" in str(raised.value)
