@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import model as models  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
-from plumbing import lifecycle, run as runs  # noqa: E402
+from plumbing import run as runs  # noqa: E402
 import metrics  # noqa: E402
 from tools import memory  # noqa: E402
 

@@ -376,8 +376,6 @@ class Peak:
     tensors (`tensors`: the bytes of the tensors alive when the count starts)."""
 
     def __init__(self, device, tensors: int):
-        import torch
-
         self.cuda = device.type == "cuda"
         self.base = 0 if self.cuda else self.rss("VmRSS") - tensors
 

@@ -3,7 +3,6 @@ EOS ids, the generation config, and the smaller things a hub model brings (tests
 """
 
 import copy
-import dataclasses
 import functools
 import json
 
