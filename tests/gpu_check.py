@@ -3,6 +3,7 @@
     python tests/gpu_check.py --out gpu-check              # on a GPU machine; exit 1 if any check failed
     python tests/gpu_check.py --device cpu --out DIR       # the same code on a CPU, with smaller models
     python tests/gpu_check.py --device cpu --fast --out DIR   # the subset the test suite runs (tests/plumbing/test_gpu_check.py)
+    python tests/gpu_check.py --only runs,memory --out DIR     # some of the checks (names below), e.g. a few per call
     python tests/gpu_check.py --mismatch --device cpu      # docs/mismatch.md: sampler-trainer mismatch, fp32 vs bf16
 
 Each check prints one verdict line, `ok`, `FAIL` or `skip`, with its numbers and its pass condition (the functions
@@ -20,9 +21,10 @@ Every subprocess has a time limit (--timeout, seconds).
               151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0 (--fast on a CPU: float32)
   on-policy   bf16: π_old recomputed in micro-batches of the size the update uses; the first optimizer step's ratio is
               exactly 1 on every token. Beside it (measured, no verdict): the fraction of sequences GSPO's 3e-4 range
-              would clip at θ = θ_old when π_old is computed in micro-batches of another size
-  pi_old      bf16 π_old recomputed as train.py does, against the sampler's own log-probs of the same tokens:
-              k3 KL(mu || pi_old) <= 0.01 and at most 2% of tokens beyond |d log p| = 0.2
+              would clip at θ = θ_old when π_old is computed in micro-batches of another size;
+              and (a verdict of its own, from the same rollout) bf16 π_old recomputed as train.py does against the
+              sampler's own log-probs of the same tokens: k3 KL(mu || pi_old) <= 0.01, at most 2% of tokens beyond
+              |d log p| = 0.2
   generation  bf16 generate with autocast entered per forward (each weight cast at every token) against one autocast
               region (cast once): at most one cast per weight matrix, the same tokens, and on a GPU not slower
               (--fast: 16 new tokens)
@@ -537,6 +539,8 @@ FAST = ("runs", "memory", "on-policy", "generation", "oom")
 
 
 def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
+    if name in argv and argv.index(name) + 1 == len(argv):
+        raise SystemExit(f"error: {name} needs a value")
     return argv[argv.index(name) + 1] if name in argv else default
 
 
@@ -548,13 +552,16 @@ def main(argv: list[str]) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device here; run this on a GPU machine (or pass --device cpu to try it)", file=sys.stderr)
         return 2
+    fast = "--fast" in argv
+    names = (flag(argv, "--only") or ",".join(FAST if fast else CHECKS)).split(",")
+    if unknown := [n for n in names if n not in CHECKS]:
+        print(f"error: --only {','.join(unknown)}: no such check; the checks are {','.join(CHECKS)}", file=sys.stderr)
+        return 2
     out = Path(flag(argv, "--out", "gpu-check")).resolve()
     if out.exists() and any(out.iterdir()):
         print(f"error: {out} is not empty; name a new folder with --out (its results are kept)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    fast = "--fast" in argv
-    names = (flag(argv, "--only") or ",".join(FAST if fast else CHECKS)).split(",")
     c = Check(device, out, fast, float(flag(argv, "--timeout", "300")))
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     head = f"gpu_check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; results in {out}"

@@ -109,3 +109,15 @@ def test_a_sharded_checkpoint_needs_its_index_and_every_ranks_shard():
     assert not ok and "pass: .metadata" in detail
     assert not gpu_check.shards_verdict([".metadata", "__0_0.distcp"], 2)[0]  # a rank wrote nothing
     assert not gpu_check.shards_verdict([], 1)[0]
+
+
+def test_a_check_name_it_does_not_have_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """--only picks checks by name (a GPU session can run them a few per call); a name it does not have is refused
+    before the output folder is made, as is --only with no value."""
+    out = tmp_path / "out"
+    assert gpu_check.main(["--device", "cpu", "--only", "runs,pi_old", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--only pi_old: no such check" in err and "on-policy" in err and not out.exists()
+    with pytest.raises(SystemExit, match="--only needs a value"):
+        gpu_check.main(["--device", "cpu", "--out", str(out), "--only"])
+    assert not out.exists()
