@@ -540,7 +540,8 @@ FAST = ("runs", "memory", "on-policy", "generation", "oom")
 
 def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     if name in argv and argv.index(name) + 1 == len(argv):
-        raise SystemExit(f"error: {name} needs a value")
+        print(f"error: {name} needs a value", file=sys.stderr)
+        raise SystemExit(2)
     return argv[argv.index(name) + 1] if name in argv else default
 
 
