@@ -208,10 +208,11 @@ def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir:
                        "with fewer --num-prompts/--num-generations/--max-new-tokens")
 
 
-def optimizer_out_of_memory(policy, device: torch.device) -> str:
+def optimizer_out_of_memory(policy) -> str:
     """What to say when the optimizer step runs out of memory (AdamW allocates its two moments at the first step):
     not a matter of batch size, so the sizes that do not fit and what helps."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    device = next(policy.parameters()).device
     params = [p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters()]  # --fsdp: this card's
     trained = sum(p.numel() for p in params if p.requires_grad)
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -288,10 +289,9 @@ class StepFailures:
                                        "--dynamic-sampling False") from None
         if exc is not None and is_out_of_memory(exc) and self.in_optimizer:  # nothing worth saving
             free_cached_memory()
-            device = next(self.policy.parameters()).device
             raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: "
-                                       f"{optimizer_out_of_memory(self.policy, device)}; no checkpoint of this step "
-                                       "was written") from None
+                                       f"{optimizer_out_of_memory(self.policy)}; no checkpoint of this step was "
+                                       "written") from None
         if exc is not None and is_out_of_memory(exc):
             unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None

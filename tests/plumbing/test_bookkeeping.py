@@ -194,24 +194,21 @@ def test_out_of_memory_is_blamed_on_the_optimizer_step_only_while_one_runs(tmp_p
     policy = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(policy.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    failures = lifecycle.StepFailures(lambda *a: pytest.fail("saved"), tmp_path, "resume", torch.Generator(),
+                                      types.SimpleNamespace(cursor=0), scheduler, 1, optimizer, policy)
     oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    def failures_of(optimizer):
-        return lifecycle.StepFailures(lambda *a: pytest.fail("saved"), tmp_path, "resume", torch.Generator(),
-                                      types.SimpleNamespace(cursor=0), scheduler, 1, optimizer, policy)
-
-    def no_room(*_):  # the moments do not fit (a hook registered after StepFailures's runs after it)
+    def no_room(*_):  # the moments do not fit (registered after StepFailures's hook, so it runs after it)
         raise oom
 
-    failures = failures_of(optimizer)
+    no_room_hook = optimizer.register_step_pre_hook(no_room)
     with pytest.raises(OptimizerOutOfMemory, match="optimizer step of step 1.*AdamW's two moments.*--lora-rank"):
         with failures(1):
             policy(torch.ones(1, 4)).sum().backward()
-            optimizer.register_step_pre_hook(no_room)
             optimizer.step()
-    optimizer = torch.optim.AdamW(policy.parameters())
+    no_room_hook.remove()
     with pytest.raises(OutOfMemory) as raised:
-        with failures_of(optimizer)(2):
+        with failures(2):
             policy(torch.ones(1, 4)).sum().backward()
             optimizer.step()  # an optimizer step that ends
             scheduler.step()
