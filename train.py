@@ -5,8 +5,8 @@ advantages, then take `num_minibatches` optimizer steps over the P*G rollout for
 the objective of `--algo` (losses.policy_loss). Only a rollout's first minibatch is on-policy (ratio 1); the later
 ones see a moved policy, so the ratios, their variance and the clip fractions (the GSPO paper's subject) move.
 
-Read top to bottom: Args, sampling, the update, the step, the loop. `# ALGO:` marks the algorithm; `# PLUMBING:`
-bookkeeping (plumbing/) that changes nothing learned.
+Read top to bottom: Args, sampling, the update, the step, the held-out evaluation, the loop. `# ALGO:` marks the
+algorithm; `# PLUMBING:` bookkeeping (plumbing/) that changes nothing learned.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 import losses
@@ -363,6 +364,55 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The held-out evaluation: greedy accuracy (and pass@k)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: int, world: World = SINGLE,
+             chunk: int = 256) -> tuple[dict, list]:
+    """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
+    problem at the training temperature, drawn from a stream of their own seeded by the step (the training run's
+    stream does not move). Under torchrun each rank scores every N-th problem; the sums are shared. Returns the
+    metrics and the greedy answers to show (logs.examples_to_show)."""
+    policy.eval()
+    mine = examples[world.rank::world.size]
+
+    def in_pieces(rows: list, greedy: bool) -> list[Batch]:  # PLUMBING: `chunk` rows at a time, halved after an
+        out = []  # out-of-memory error (sampling holds no collective: under torchrun a rank halves alone)
+        for i in range(0, len(rows), chunk):
+            part = rows[i:i + chunk]
+            out += lifecycle.shrink_on_oom(lambda n: [sample(policy, tokenizer, part[j:j + n], args, greedy=greedy)
+                                                      for j in range(0, len(part), n)],
+                                           len(part), 0, lambda: None, key=f"evaluate {greedy}")
+        return out
+
+    with world.gathered(policy):  # PLUMBING: under --fsdp the whole model, once for all of it
+        correct, reward, texts = [], [], []
+        for scored in in_pieces(mine, greedy=True):
+            correct += scored.scores["correct"]
+            reward += scored.scores["reward"]
+            texts += scored.texts
+        sums = [float(np.sum(correct)), float(np.sum(reward))]
+        if args.eval_samples:
+            n = args.eval_samples
+            device = policy.device  # fork this rank's device only (fork_rng touches every GPU by default)
+            with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device.index or 0],
+                                       device_type=device.type):
+                torch.manual_seed(world.seed(args.seed * 100_003 + step))
+                hits = [c for scored in in_pieces([ex for ex in mine for _ in range(n)], greedy=False)
+                        for c in scored.scores["correct"]]
+            per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
+            ks = sorted({1, n})
+            sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
+    sums = world.sum(sums)
+    out = {"eval/accuracy": sums[0] / len(examples), "eval/reward": sums[1] / len(examples)}
+    if args.eval_samples:
+        out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
+    policy.train()
+    return out, logs.examples_to_show(mine, texts, correct, step)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -375,14 +425,19 @@ def train(args: Args) -> dict:
     world = ddp.setup(args.device)  # one process: the world of size 1; under torchrun: join the process group
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = lambda policy: pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs,  # noqa: E731
-                                          args.rollout_correction, models.compute_dtype(policy))
     # PLUMBING: Ctrl-C or SIGTERM finishes the step, saves and exits 0 (start-up, inside, keeps nothing instead)
     stop, run = lifecycle.GracefulStop(), None
     try:
-        # data, policy, optimizer, a checkpoint restored, the first evaluation (it prints where pi_old comes from)
-        run = runs.start_run(args, cfg, run_dir, resume_from, state, world, sample, source)
-        pi_old = source(run.policy)
+        # data, policy, optimizer, a checkpoint restored; inside start-up a failure or Ctrl-C keeps nothing
+        with runs.start_run(args, cfg, run_dir, resume_from, state, world) as run:
+            pi_old = pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
+                                   models.compute_dtype(run.policy))
+            print(logs.PI_OLD[pi_old])
+            shown = None
+            if not state:  # the held-out metrics before step 1 (a resumed run has them from its checkpoint)
+                run.before, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, 0, world)
+                run.logger.log(run.before, step=0)
+            print(logs.eval_lines("before", run.before, shown, len(run.test_set)))
 
         logged, run.started = run.before, time.time()
         resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
@@ -400,7 +455,7 @@ def train(args: Args) -> dict:
             evaluated = step % args.eval_every == 0 or step == args.total_steps
             if evaluated:
                 with failures.evaluating(step):
-                    held_out, shown = run.evaluate(step)
+                    held_out, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world)
                 logged.update(held_out)
             run.logger.log(logged, step=step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)

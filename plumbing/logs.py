@@ -106,3 +106,24 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
         lines.append(f"note: the embedded model was warm-started on the remainder task only and knows nothing of "
                      f"{args.dataset}; train a pretrained model on it with --model (a hub id, a folder or a .gguf)")
     return lines
+
+
+def examples_to_show(examples: list, texts: list, correct: list, step: int) -> list[tuple]:
+    """For the screen, a different problem at each evaluation (the step picks where to look): the first one
+    answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
+    correct) each."""
+    n = len(texts)
+    picked = {}
+    for k in range(n):
+        i = (step * 37 + k) % n
+        picked.setdefault(bool(correct[i]), i)
+        if len(picked) == 2:
+            break
+    return [(examples[i].prompt, texts[i], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
+
+
+PI_OLD = {"on-policy": "fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward "
+                       "pass and nothing clips; use --num-minibatches > 1 to see the ratios move",
+          "sampler": "pi_old: the sampler's own log-probs (no extra forward pass)",
+          "recompute": "pi_old: recomputed by one forward pass over each rollout before its first update"}
+"""Where the update's pi_old comes from (train.pi_old_source), as the start-up says it."""

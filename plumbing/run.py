@@ -1,11 +1,11 @@
 """A run's set-up and end: the flags resolved from the --algo preset and the dataset's defaults, the run's name,
-the data and the policy loaded and checked before anything is written, a checkpoint restored, the held-out
-evaluation, and the final save. Nothing here changes what is learned."""
+the data and the policy loaded and checked before anything is written, a checkpoint restored, and the final save.
+Nothing here changes what is learned."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import json
 import random
 import re
@@ -19,12 +19,11 @@ import torch
 
 import losses
 import model as models
-import rewards
 import task
 from losses import LossConfig
 from plumbing import checkpoint, ddp, flags, lifecycle, logs
 from base.errors import ConfigError
-from plumbing.ddp import SINGLE, World
+from plumbing.ddp import World
 
 
 # Defaults that depend on --dataset: the long task needs room for 300-token answers, and its steps cost ~7x more.
@@ -179,7 +178,8 @@ class PromptStream:
 @dataclass
 class Run:
     """What the loop works on, made by start_run: the policy and its optimizer, the data, the logger, and where a
-    resumed run picks up (first_step, the minutes already spent, the held-out metrics before step 1)."""
+    resumed run picks up (first_step, the minutes already spent, the held-out metrics before step 1: None until
+    train.py's first evaluation)."""
     args: object  # train.Args
     run_dir: Path
     world: World
@@ -193,17 +193,11 @@ class Run:
     logger: logs.Logger
     train_set: list
     test_set: list
-    before: dict
+    before: dict | None
     first_step: int = 1
     minutes_before: float = 0.0
-    sample: object = None  # train.sample, bound to this run's policy and flags: sample(rows, greedy) -> Batch
     entropy_control: losses.AdaptiveEntropy | None = None  # --entropy-target's state, kept in checkpoints
     started: float = 0.0  # wall clock when the loop began
-
-    def evaluate(self, step: int) -> tuple[dict, list]:
-        """The held-out metrics at `step` and the answers to show (see evaluate)."""
-        return evaluate(self.sample, self.policy, self.test_set, self.args.eval_samples, self.args.seed, step,
-                        world=self.world)
 
     def checkpoint_or_stop(self, step: int, stop: lifecycle.GracefulStop, resume_hint: str) -> dict | None:
         """After `step`: a checkpoint every --save-every steps; after a signal to any rank, a checkpoint and the
@@ -245,11 +239,11 @@ class Run:
         return checkpoint.path_of(self.run_dir / "checkpoints", step)
 
 
-def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, state: dict | None, world: World,
-              sample, pi_old_source) -> Run:
-    """Load and check the data and the policy, write config.json, restore a checkpoint, evaluate before step 1.
-    A failure or Ctrl-C in here removes the run folder this call created, nothing else. `sample` is train.sample,
-    `pi_old_source(policy)` where the update's pi_old comes from (train.pi_old_source)."""
+@contextlib.contextmanager
+def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, state: dict | None, world: World):
+    """Load and check the data and the policy, write config.json, restore a checkpoint; yield the Run, still inside
+    start-up: until the with-block ends (train.py evaluates before step 1 there), a failure or Ctrl-C removes the run
+    folder this call created, nothing else."""
     with lifecycle.Startup(), lifecycle.NewRunFolder(run_dir, replace=args.overwrite and not state) as folder:
         # Everything that can fail on bad input is loaded before anything is written.
         with world.main_first():  # rank 0 builds any cache (warm start, download) before the others read it
@@ -310,27 +304,16 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                 print(f"note: written by {len(checkpoint.rank_rngs(state))} processes, resumed by {world.size}: the "
                       "same weights and AdamW state, resharded; new sampling streams, so not the uninterrupted run")
         logger = folder.logger = logs.Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
-        print({"on-policy": "fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no "
-                             "forward pass and nothing clips; use --num-minibatches > 1 to see the ratios move",
-               "sampler": "pi_old: the sampler's own log-probs (no extra forward pass)",
-               "recompute": "pi_old: recomputed by one forward pass over each rollout before its first update"}[
-            pi_old_source(policy)])
         print(f"{args.algo}: {cfg}")
         print("\n".join(logs.startup_lines(args, run_dir, train_set, test_set, policy, world, held_out)))
         policy.train()
-        if state:
-            before = state["before"]
-        else:
-            before, shown = evaluate(functools.partial(sample, policy, tokenizer, args=args), policy, test_set,
-                                     args.eval_samples, args.seed, step=0, world=world)
-            logger.log(before, step=0)
-        print(logs.eval_lines("before", before, None if state else shown, len(test_set)))
-    control = None if args.entropy_target is None else losses.AdaptiveEntropy(cfg.entropy_coef, args.entropy_target)
-    if control is not None and state and state.get("entropy_control"):  # a resumed run goes on where it stood
-        control = losses.AdaptiveEntropy(**{**state["entropy_control"], "window": (0.0, 0.0)})
-    return Run(args, run_dir, world, policy, ref_policy, tokenizer, optimizer, scheduler, stream, gen, logger,
-               train_set, test_set, before, first_step, minutes_before,
-               sample=functools.partial(sample, policy, tokenizer, args=args), entropy_control=control)
+        control = None if args.entropy_target is None else losses.AdaptiveEntropy(cfg.entropy_coef,
+                                                                                  args.entropy_target)
+        if control is not None and state and state.get("entropy_control"):  # a resumed run goes on where it stood
+            control = losses.AdaptiveEntropy(**{**state["entropy_control"], "window": (0.0, 0.0)})
+        yield Run(args, run_dir, world, policy, ref_policy, tokenizer, optimizer, scheduler, stream, gen, logger,
+                  train_set, test_set, state["before"] if state else None, first_step, minutes_before,
+                  entropy_control=control)
 
 
 def finish_run(run: Run, metrics: dict) -> dict:
@@ -350,61 +333,3 @@ def finish_run(run: Run, metrics: dict) -> dict:
     run.logger.finish()
     run.world.barrier()
     return summary
-
-
-def evaluate(sample, policy, examples: list[task.Example], eval_samples: int, seed: int, step: int = 0,
-             chunk: int = 256, world: World = SINGLE) -> tuple[dict, list]:
-    """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
-    problem at the training temperature. sample(rows, greedy) is train.sample. Under torchrun each rank scores every N-th problem; the sums are shared.
-    Returns the metrics and the greedy answers to show (examples_to_show)."""
-    policy.eval()
-    mine = examples[world.rank::world.size]
-
-    def in_pieces(rows: list, greedy: bool) -> list:  # PLUMBING: halved after an out-of-memory error (sampling holds
-        out = []                                      # no collective: under torchrun a rank halves alone)
-        for i in range(0, len(rows), chunk):
-            part = rows[i:i + chunk]
-            out += lifecycle.shrink_on_oom(lambda n: [sample(part[j:j + n], greedy=greedy)
-                                                      for j in range(0, len(part), n)],
-                                           len(part), 0, lambda: None, key=f"evaluate {greedy}")
-        return out
-
-    with world.gathered(policy):  # under --fsdp the whole model, once for all of it
-        correct, reward, texts = [], [], []
-        for scored in in_pieces(mine, greedy=True):
-            correct += scored.scores["correct"]
-            reward += scored.scores["reward"]
-            texts += scored.texts
-        sums = [float(np.sum(correct)), float(np.sum(reward))]
-        if eval_samples:
-            n = eval_samples
-            rows = [ex for ex in mine for _ in range(n)]
-            # its own random stream, seeded by the step: sampling here must not move the training run's stream
-            device = policy.device  # fork this rank's device only (fork_rng touches every GPU by default)
-            devices = [] if device.type == "cpu" else [device.index or 0]
-            with torch.random.fork_rng(devices=devices, device_type=device.type):
-                torch.manual_seed(world.seed(seed * 100_003 + step))
-                hits = [c for scored in in_pieces(rows, greedy=False) for c in scored.scores["correct"]]
-            per_problem = np.asarray(hits).reshape(len(mine), n).sum(1)  # (problems,) correct samples of n
-            ks = sorted({1, n})
-            sums += [float(np.sum([rewards.pass_at_k(n, int(c), k) for c in per_problem])) for k in ks]
-    sums = world.sum(sums)
-    out = {"eval/accuracy": sums[0] / len(examples), "eval/reward": sums[1] / len(examples)}
-    if eval_samples:
-        out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
-    policy.train()
-    return out, examples_to_show(mine, texts, correct, step)
-
-
-def examples_to_show(examples: list, texts: list, correct: list, step: int) -> list[tuple]:
-    """For the screen, a different problem at each evaluation (the step picks where to look): the first one
-    answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
-    correct) each."""
-    n = len(texts)
-    picked = {}
-    for k in range(n):
-        i = (step * 37 + k) % n
-        picked.setdefault(bool(correct[i]), i)
-        if len(picked) == 2:
-            break
-    return [(examples[i].prompt, texts[i], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]

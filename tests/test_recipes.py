@@ -12,7 +12,6 @@ import torch
 import model as models
 import train
 from plumbing import flags
-from plumbing import run as runs
 from tools import memory, recipes
 
 PAGE = recipes.PAGE.read_text()
@@ -100,10 +99,10 @@ def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_i
     seen = {}
 
     def stop(*a, **kw):  # the first evaluation: everything before it has been built
-        seen["policy"] = a[1]
+        seen["policy"] = a[0]
         raise Started
 
-    monkeypatch.setattr(runs, "evaluate", stop)
+    monkeypatch.setattr(train, "evaluate", stop)
     args, _ = recipes.resolved(recipe.argv)
     with pytest.raises(Started):
         train.main(argv + ["--model", str(stand_ins[args.model]), "--dataset", str(data),

@@ -499,7 +499,7 @@ def test_non_finite_stop_before_a_checkpoint_advises_overwrite(tmp_path, capsys,
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("where", ["loading", "first-evaluation"])
 def test_interrupt_during_start_up_leaves_nothing(tmp_path, capsys, tiny_policy_dir, monkeypatch, signum, where):
-    target = train.models if where == "loading" else runs
+    target = train.models if where == "loading" else train
     name = "load_model" if where == "loading" else "evaluate"
     real = getattr(target, name)
 

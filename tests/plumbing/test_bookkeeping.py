@@ -76,7 +76,7 @@ class Policy:
         self.training = True
 
 
-def scored_sample(rows, greedy):
+def scored_sample(policy, tokenizer, rows, args, greedy):
     """Stands in for train.sample: a greedy answer is right for reference '1'; a sampled one is right with
     probability 0.4, drawn from torch's global stream; each reward is correctness plus 0.5 (a format term)."""
     correct = [float(ex.answer == "1") if greedy else float(torch.rand(()) < 0.4) for ex in rows]
@@ -87,11 +87,18 @@ def scored_sample(rows, greedy):
 EXAMPLES = [task.Example(f"p{i}", "1" if i % 3 == 0 else "2") for i in range(12)]  # 4 of 12 right when greedy
 
 
-def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k():
+def evaluate(monkeypatch, policy, eval_samples: int, seed: int, step: int = 0, **kw):
+    """train.evaluate over EXAMPLES, with scored_sample for train.sample."""
+    monkeypatch.setattr(train, "sample", scored_sample)
+    return train.evaluate(policy, None, EXAMPLES, types.SimpleNamespace(eval_samples=eval_samples, seed=seed), step,
+                          **kw)
+
+
+def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k(monkeypatch):
     policy = Policy()
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    out, shown = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=3, chunk=5)
+    out, shown = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=3, chunk=5)
     assert out["eval/accuracy"] == pytest.approx(4 / 12) and out["eval/reward"] == pytest.approx(4 / 12 + 0.5)
     assert torch.equal(torch.get_rng_state(), before)  # sampling here leaves the training run's stream alone
     assert policy.training  # back in train mode
@@ -101,30 +108,30 @@ def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k():
     assert out["eval/pass@1"] == pytest.approx(float(hits.mean()))
     assert out["eval/pass@4"] == pytest.approx(float((hits.sum(1) > 0).float().mean()))
     assert [(p, ok) for p, _, _, ok in shown] == [(shown[0][0], True), (shown[1][0], False)]
-    again, _ = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=3)
-    later, _ = runs.evaluate(scored_sample, policy, EXAMPLES, eval_samples=4, seed=7, step=4)
+    again, _ = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=3)
+    later, _ = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=4)
     assert again == out and later["eval/pass@1"] != out["eval/pass@1"]  # the same step repeats; another draws anew
 
 
-def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_the_whole_sets():
-    whole, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0)
+def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_the_whole_sets(monkeypatch):
+    whole, _ = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0)
     rank1 = TwoRanks(1)
-    runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=rank1)
+    evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank1)
     assert rank1.mine == [2.0, 2.0 + 0.5 * 6]  # problems 1, 3, 5, ...: p3 and p9 right; six rewards of 0.5 more
     rank0 = TwoRanks(0, other_sum=rank1.mine)
-    on_rank0, _ = runs.evaluate(scored_sample, Policy(), EXAMPLES, eval_samples=0, seed=0, world=rank0)
+    on_rank0, _ = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank0)
     assert on_rank0 == whole
 
 
 def test_each_evaluation_shows_other_problems_one_right_and_one_wrong():
     texts = [f"t{i}" for i in range(12)]
     correct = [float(ex.answer == "1") for ex in EXAMPLES]
-    picks = [runs.examples_to_show(EXAMPLES, texts, correct, step) for step in range(4)]
+    picks = [logs.examples_to_show(EXAMPLES, texts, correct, step) for step in range(4)]
     for shown in picks:
         assert [ok for *_, ok in shown] == [True, False]
         assert all((ex.answer == "1") == ok for ex in EXAMPLES for p, _, ref, ok in shown if ex.prompt == p)
     assert len({tuple(p for p, *_ in shown) for shown in picks}) == 4  # a different pair at each step
-    all_right = runs.examples_to_show(EXAMPLES, texts, [1.0] * 12, 0)
+    all_right = logs.examples_to_show(EXAMPLES, texts, [1.0] * 12, 0)
     assert [ok for *_, ok in all_right] == [True]
 
 

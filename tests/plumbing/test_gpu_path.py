@@ -5,6 +5,7 @@ EOS ids, the generation config, and the smaller things a hub model brings (tests
 import copy
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -454,12 +455,12 @@ def test_evaluation_halves_on_out_of_memory(tiny_policy_dir, monkeypatch, capsys
     args, _ = runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "eval_size": 16}))
     policy, tok = runs.load_policy(args)
     test_set = runs.load_data(args)[1][:16]
-    whole, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 0, 0)
+    whole, _ = train.evaluate(policy, tok, test_set, args, 0)
     device_that_fits(monkeypatch, train, "sample", 4, 2)  # sample(policy, tokenizer, rows, ...)
-    halved, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 0, 0)
+    halved, _ = train.evaluate(policy, tok, test_set, args, 0)
     assert halved == whole and "out of memory at 8 rows" in capsys.readouterr().out
     # sampled evaluation (--eval-samples) halves too (issue 45.7): 16 problems x 2 samples, 4 rows fit
-    sampled, _ = runs.evaluate(functools.partial(train.sample, policy, tok, args=args), policy, test_set, 2, 0)
+    sampled, _ = train.evaluate(policy, tok, test_set, replace(args, eval_samples=2), 0)
     assert "out of memory at 32 rows" in capsys.readouterr().out and 0 <= sampled["eval/pass@2"] <= 1
 
 

@@ -1,5 +1,6 @@
 """Bad input fails fast with one line and exit code 2; checkpoints resume exactly; guards keep metrics finite."""
 
+import contextlib
 import json
 import os
 import random
@@ -348,10 +349,11 @@ def test_no_moment_between_start_up_and_the_loop_without_a_stop_handler(tmp_path
     def handlers():
         seen.extend(signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM))
 
+    @contextlib.contextmanager
     def start(*a, **kw):
-        started = real_start(*a, **kw)
+        with real_start(*a, **kw) as started:
+            yield started  # (the first evaluation)
         handlers()  # start-up has just ended
-        return started
 
     def finish(*a, **kw):
         handlers()  # the final save is about to begin
