@@ -295,7 +295,7 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
         for mb in perm.split(mb_size):
             step_cfg = cfg if entropy_control is None else replace(cfg, entropy_coef=entropy_control.applied())
             norm = losses.StepNorm(*world.step_totals(mask[mb]), args.max_new_tokens)  # B, sum |y_i|: every rank's
-            step = MicroBatches(mb, args.micro_batch_size, world, lambda: optimizer.zero_grad(set_to_none=True))
+            step = MicroBatches(mb, args.micro_batch_size, world, optimizer)
             for part in step:  # gradient accumulation (PLUMBING: begun again at half the rows after out-of-memory)
                 with step.guard():  # PLUMBING: under torchrun DDP all-reduces on the last micro-batch only
                     loss, seen = loss_of(part, replace(norm, micro_batches=len(step.parts)), step_cfg)
@@ -383,7 +383,7 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
             part = rows[i:i + chunk]
             out += lifecycle.shrink_on_oom(lambda n: [sample(policy, tokenizer, part[j:j + n], args, greedy=greedy)
                                                       for j in range(0, len(part), n)],
-                                           len(part), 0, lambda: None, key=f"evaluate {greedy}")
+                                           len(part), 0, key=f"evaluate {greedy}")
         return out
 
     with world.gathered(policy):  # PLUMBING: under --fsdp the whole model, once for all of it

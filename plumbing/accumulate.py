@@ -25,11 +25,11 @@ class MicroBatches:
                 loss, seen = ...; world.backward(loss); step.keep(loss, seen)
 
     `fixed` (--micro-batch-size) rows each, or with 0 all rows at once; after an out-of-memory error inside `guard`
-    the partial gradient is dropped (`reset`), the size halves (remembered for the process: lifecycle.halved) and the
+    the partial gradient is dropped (the optimizer's zero_grad), the size halves (remembered for the process: lifecycle.halved) and the
     loop begins again at the first row. Under torchrun the error is raised instead (lifecycle.halved says why)."""
 
-    def __init__(self, rows: torch.Tensor, fixed: int, world: World, reset):
-        self.rows, self.fixed, self.world, self.reset = rows, fixed, world, reset
+    def __init__(self, rows: torch.Tensor, fixed: int, world: World, optimizer: torch.optim.Optimizer):
+        self.rows, self.fixed, self.world, self.optimizer = rows, fixed, world, optimizer
         self.size = fixed or min(len(rows), lifecycle.AUTO_MICRO_BATCH.get(len(rows), len(rows)))
         self.parts, self.last, self.restart, self.loss, self.seen = (), False, False, 0.0, []
 
@@ -50,7 +50,8 @@ class MicroBatches:
             with self.world.sync_gradients(last=self.last):
                 yield
         except RuntimeError as e:
-            self.size = lifecycle.halved(e, self.size, self.fixed, self.world.size, len(self.rows), self.reset)
+            self.size = lifecycle.halved(e, self.size, self.fixed, self.world.size, len(self.rows),
+                                         reset=lambda: self.optimizer.zero_grad(set_to_none=True))
             self.restart = True
 
     def keep(self, loss: torch.Tensor, seen) -> None:
@@ -95,5 +96,5 @@ def score_rows(fn, rows: torch.Tensor, step_rows: int, micro_batch_size: int, wo
         parts = [fn(r) for r in rows.split(micro)]
         return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
     collective = world is not None and world.sharded is not None
-    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, lambda: None, world.size if collective else 1,
+    return lifecycle.shrink_on_oom(run, step_rows, micro_batch_size, world.size if collective else 1,
                                    key=f"score {step_rows}")

@@ -226,20 +226,21 @@ def optimizer_out_of_memory(policy) -> str:
 AUTO_MICRO_BATCH: dict = {}  # rows of an optimizer step (or another key) -> micro-batch size that fits
 
 
-def shrink_on_oom(run, rows: int, fixed: int, reset, world_size: int = 1, key: int | str | None = None):
-    """run(micro) with `micro` rows per forward/backward. --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after
-    each out-of-memory error, retries at half (halved); the size that fits is remembered for the rest of the process,
-    per `key` (default: `rows`)."""
+def shrink_on_oom(run, rows: int, fixed: int, world_size: int = 1, key: int | str | None = None):
+    """run(micro) with `micro` rows per forward without gradient (a failed try leaves nothing to drop; the update's
+    micro-batches are accumulate.MicroBatches). --micro-batch-size 0 (`fixed` 0) starts at `rows` and, after each
+    out-of-memory error, retries at half (halved); the size that fits is remembered for the rest of the process, per
+    `key` (default: `rows`)."""
     key = rows if key is None else key
     micro = fixed or min(rows, AUTO_MICRO_BATCH.get(key, rows))
     while True:
         try:
             return run(micro)
         except RuntimeError as e:
-            micro = halved(e, micro, fixed, world_size, key, reset)
+            micro = halved(e, micro, fixed, world_size, key)
 
 
-def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset) -> int:
+def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset=lambda: None) -> int:
     """After error `e` at `micro` rows per forward: half as many, remembered under `key`, once `reset` has dropped
     what the failed try left (a partial gradient). `e` is raised again when it is not an out-of-memory error, when
     the size is fixed (--micro-batch-size) or already 1, and over several processes where the pass holds a

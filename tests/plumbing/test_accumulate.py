@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from plumbing import lifecycle
 from plumbing.accumulate import MicroBatches, StepLog
 from plumbing.ddp import SINGLE, World
 from plumbing.run import PromptStream
@@ -29,7 +30,7 @@ class RecordingDDP(torch.nn.Module):
 
 def test_only_the_last_micro_batch_of_a_step_all_reduces():
     ddp = RecordingDDP()
-    step = MicroBatches(torch.arange(10), 3, World(rank=0, size=2, distributed=True, ddp_model=ddp), lambda: None)
+    step = MicroBatches(torch.arange(10), 3, World(rank=0, size=2, distributed=True, ddp_model=ddp), None)
     seen = []
     for part in step:
         with step.guard():
@@ -39,10 +40,32 @@ def test_only_the_last_micro_batch_of_a_step_all_reduces():
     assert ddp.unsynced == 3
 
 
+def test_out_of_memory_after_a_backward_drops_its_partial_gradient_and_begins_again_at_half():
+    """--micro-batch-size 0: a try that ran out of memory after some backward passes left a partial gradient; the
+    step begins again at half the rows from a zero gradient, so the step's gradient is the whole minibatch's once."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(3, 1), torch.randn(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(x).sum().backward()
+    whole = model.weight.grad.clone()  # the gradient of the whole minibatch, taken once
+    optimizer.zero_grad(set_to_none=True)
+    lifecycle.AUTO_MICRO_BATCH.pop(4, None)
+    step, sizes = MicroBatches(torch.arange(4), 0, SINGLE, optimizer), []
+    for part in step:
+        with step.guard():
+            sizes.append(len(part))
+            model(x[part]).sum().backward()
+            if len(part) == 4:  # out of memory after the backward: its gradient is in .grad
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    lifecycle.AUTO_MICRO_BATCH.pop(4, None)
+    assert sizes == [4, 2, 2]
+    assert torch.allclose(model.weight.grad, whole)  # not twice it
+
+
 def test_a_step_is_skipped_when_its_loss_or_its_gradient_norm_is_not_finite():
     log = StepLog()
     for loss, norm in [(0.5, 1.0), (float("nan"), 1.0), (0.5, float("inf")), (0.25, 3.0)]:
-        step = MicroBatches(torch.arange(2), 0, SINGLE, lambda: None)
+        step = MicroBatches(torch.arange(2), 0, SINGLE, None)
         step.loss, step.seen = loss, [("rows", loss)]
         log.finite(step, torch.tensor(norm), SINGLE)
     assert log.skipped == 2 and log.losses == [0.5, 0.25] and log.grad_norms == [1.0, 3.0]

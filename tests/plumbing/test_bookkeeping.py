@@ -178,17 +178,17 @@ def test_out_of_memory_halves_the_micro_batch_only_where_the_size_is_free_and_th
         tried.append(micro)
         return micro
 
-    tried, resets = [], []
+    tried = []
     key = "test_bookkeeping"
     lifecycle.AUTO_MICRO_BATCH.pop(key, None)
-    assert lifecycle.shrink_on_oom(run, 16, 0, lambda: resets.append(1), key=key) == 2
-    assert tried == [2] and len(resets) == 3 and lifecycle.AUTO_MICRO_BATCH[key] == 2  # 16 -> 8 -> 4 -> 2
-    assert lifecycle.shrink_on_oom(run, 16, 0, lambda: resets.append(1), key=key) == 2 and len(resets) == 3
+    assert lifecycle.shrink_on_oom(run, 16, 0, key=key) == 2
+    assert tried == [2] and lifecycle.AUTO_MICRO_BATCH[key] == 2  # 16 -> 8 -> 4 -> 2
+    assert lifecycle.shrink_on_oom(run, 16, 0, key=key) == 2 and tried == [2, 2]  # begins where it fitted
     for fixed, world_size in [(8, 1), (0, 2)]:
         with pytest.raises(RuntimeError, match="out of memory"):
-            lifecycle.shrink_on_oom(run, 16, fixed, lambda: None, world_size=world_size, key=f"{key} {fixed}")
+            lifecycle.shrink_on_oom(run, 16, fixed, world_size=world_size, key=f"{key} {fixed}")
     with pytest.raises(ValueError):
-        lifecycle.shrink_on_oom(lambda micro: int("x"), 16, 0, lambda: None, key=f"{key} other")
+        lifecycle.shrink_on_oom(lambda micro: int("x"), 16, 0, key=f"{key} other")
     lifecycle.AUTO_MICRO_BATCH.pop(key, None)
 
 

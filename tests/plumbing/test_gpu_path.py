@@ -485,7 +485,7 @@ def test_scoring_passes_halve_under_torchrun_too():
     lifecycle.AUTO_MICRO_BATCH.clear()
     with pytest.raises(RuntimeError, match="allocate"):  # under --fsdp a forward gathers from every rank: no halving
         score_rows(fits_two, torch.arange(8), 8, 0, World(rank=1, size=2, sharded=torch.nn.Linear(1, 1)))
-    step = MicroBatches(torch.arange(8), 0, World(rank=1, size=2), lambda: None)
+    step = MicroBatches(torch.arange(8), 0, World(rank=1, size=2), None)
     with pytest.raises(RuntimeError, match="allocate"):  # the update itself still refuses to halve alone
         for part in step:
             with step.guard():
