@@ -298,7 +298,6 @@ class StepFailures:
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None
         return False
 
-
     @contextlib.contextmanager
     def evaluating(self, step: int):
         """The held-out evaluation after `step`: out of memory there, even at one row at a time, saves the state after
