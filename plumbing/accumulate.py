@@ -25,8 +25,9 @@ class MicroBatches:
                 loss, seen = ...; world.backward(loss); step.keep(loss, seen)
 
     `fixed` (--micro-batch-size) rows each, or with 0 all rows at once; after an out-of-memory error inside `guard`
-    the partial gradient is dropped (the optimizer's zero_grad), the size halves (remembered for the process: lifecycle.halved) and the
-    loop begins again at the first row. Under torchrun the error is raised instead (lifecycle.halved says why)."""
+    the partial gradient is dropped (the optimizer's zero_grad), the size halves (remembered for the process:
+    lifecycle.halved) and the loop begins again at the first row. Under torchrun the error is raised instead
+    (lifecycle.halved says why)."""
 
     def __init__(self, rows: torch.Tensor, fixed: int, world: World, optimizer: torch.optim.Optimizer):
         self.rows, self.fixed, self.world, self.optimizer = rows, fixed, world, optimizer

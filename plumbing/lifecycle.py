@@ -288,12 +288,12 @@ class StepFailures:
             raise DynamicSamplingError(f"{exc}. Saved {save_start()}: {self.hint} and a higher --max-sampling-rounds, "
                                        "or start again with --overwrite and more --num-generations or "
                                        "--dynamic-sampling False") from None
-        if exc is not None and is_out_of_memory(exc) and self.in_optimizer:  # nothing worth saving
-            free_cached_memory()
-            raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: "
-                                       f"{optimizer_out_of_memory(self.policy)}; no checkpoint of this step was "
-                                       "written") from None
         if exc is not None and is_out_of_memory(exc):
+            if self.in_optimizer:  # the step may have moved some moments: nothing worth saving
+                free_cached_memory()
+                raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: "
+                                           f"{optimizer_out_of_memory(self.policy)}; no checkpoint of this step was "
+                                           "written") from None
             unchanged = self.scheduler.last_epoch == self.updates and self.world_size == 1
             raise out_of_memory(exc, self.step, unchanged, save_start, self.run_dir, self.hint) from None
         return False
