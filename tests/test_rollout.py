@@ -158,7 +158,6 @@ CHUNKED_CASES = {  # the objective, and what else the loss reads
 def loss_and_grads(policy, ref, ro, cfg, adv, chunk, dtype=None):
     """One micro-batch's loss as train.update makes it (policy_loss over rollout.logprobs, the reference's too),
     and the gradient of every trained parameter."""
-
     import losses
 
     policy.zero_grad(set_to_none=True)
