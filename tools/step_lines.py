@@ -10,6 +10,7 @@ Each function counts with all its lines (signature, docstring, comments; a neste
 it; a method counts alone, not its class), once. Class bodies that only declare fields (Args, Batch, Rollout's
 fields) run no code and are not counted, nor are torch and transformers (as torch's internals are not part of
 cleanrl's ~155). Also counted: the data-parallel calls (`world.<name>(...)`) written in the functions that run.
+Each file's line lists the functions that ran in the file's order, each with its lines.
 """
 
 from __future__ import annotations
@@ -119,11 +120,13 @@ def measure(step, whole: bool = False) -> dict:
     out = {}
     for path, spans in runs_in.items():
         name = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        spans = sorted(spans, key=lambda span: span[0])  # in the file's order, the same on every run
         world = [sub.func.attr for _, _, node in spans for sub in ast.walk(node) if isinstance(sub, ast.Call)
                  and isinstance(sub.func, ast.Attribute) and isinstance(sub.func.value, ast.Name)
                  and sub.func.value.id == "world"]
         out[name] = {"lines": sum(last - first + 1 for first, last, _ in spans), "functions": sorted(
-            n.name for _, _, n in spans), "world_calls": world}
+            n.name for _, _, n in spans), "world_calls": world,
+                     "sizes": [(n.name, last - first + 1) for first, last, n in spans]}  # in the file's order
     return out
 
 
@@ -163,13 +166,13 @@ def one_iteration(algo: str):
 
 def report(title: str, counted: dict) -> None:
     core = counted
-    world = [w for c in core.values() for w in c["world_calls"]]
+    world = [w for _, c in sorted(core.items()) for w in c["world_calls"]]  # by file, then in each file's order
     print(f"{title}: {sum(c['lines'] for c in core.values())} lines in {len(core)} files "
           f"({', '.join(m + ' ' + str(c['lines']) for m, c in sorted(core.items()))}); "
           f"{sum(len(c['functions']) for c in core.values())} functions; data-parallel calls {len(world)}"
           f"{' (' + ', '.join(world) + ')' if world else ''}")
-    for m, c in sorted(core.items()):
-        print(f"  {m}: {', '.join(c['functions'])}")
+    for m, c in sorted(core.items()):  # each function with its lines, so a reader sees where they go
+        print(f"  {m}: {', '.join(f'{name} {lines}' for name, lines in c['sizes'])}")
 
 
 @dataclass
