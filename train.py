@@ -160,6 +160,7 @@ class Batch:
     examples: list[task.Example]  # one per row (each prompt repeated G times)
     scores: dict[str, list[float]]  # per row: "reward" (the sum), "correct", and each reward term
     texts: list[str]
+    advantages: torch.Tensor | None = None  # (B_r,) once rl_step has computed them
 
 
 def sample(policy, tokenizer, rows: list[task.Example], args: Args, greedy: bool = False) -> Batch:
@@ -351,7 +352,7 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch
     reward, lengths = world.gather_rows(reward, batch.ro.lengths)  # (B,) all ranks
     adv_all = losses.advantages(reward, args.num_generations, cfg.advantage_estimator, cfg.scale_rewards, lengths)
-    adv = world.shard(adv_all)  # (B_r,) this rank's rows
+    adv = batch.advantages = world.shard(adv_all)  # (B_r,) this rank's rows (kept: --log-completions-every)
     # ALGO: the policy update with the objective --algo chose (losses.policy_loss)
     logged = update(policy, ref_policy, optimizer, scheduler, batch, adv, cfg, args, gen, world, pi_old,
                      entropy_control)
@@ -448,8 +449,8 @@ def train(args: Args) -> dict:
         for step in range(run.first_step, args.total_steps + 1):
             # ALGO: one RL step
             with failures(step):
-                _, logged = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
-                                     run.stream, cfg, args, run.gen, world, pi_old, run.entropy_control)
+                batch, logged = rl_step(run.policy, run.ref_policy, run.tokenizer, run.optimizer, run.scheduler,
+                                        run.stream, cfg, args, run.gen, world, pi_old, run.entropy_control)
             # PLUMBING: evaluation, logging, checkpoints, signals
             logged["perf/elapsed_min"] = run.minutes()
             evaluated = step % args.eval_every == 0 or step == args.total_steps
@@ -458,6 +459,8 @@ def train(args: Args) -> dict:
                     held_out, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world)
                 logged.update(held_out)
             run.logger.log(logged, step=step)
+            if args.log_completions_every and step % args.log_completions_every == 0:  # what the policy wrote
+                run.logger.completions(logs.completion_rows(batch, args.num_generations, world), step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)
             print(logs.console_line(step, args.total_steps, logged, eta, cfg.importance_sampling_level), flush=True)
             if evaluated:

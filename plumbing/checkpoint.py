@@ -34,7 +34,7 @@ from base.errors import UserError
 HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", "wandb_mode", "wandb_project",
             "wandb_group", "wandb_tags", "save_every", "keep_checkpoints", "resume", "save_model", "overwrite",
             "device", "max_nonfinite_steps", "micro_batch_size", "max_sampling_rounds", "eval_samples",
-            "merge_lora", "gradient_checkpointing", "log_study_metrics"}
+            "merge_lora", "gradient_checkpointing", "log_study_metrics", "log_completions_every"}
 
 
 class CheckpointError(UserError, ValueError):
@@ -279,8 +279,9 @@ def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, ran
     return state["step"] + 1, state.get("minutes", 0.0)
 
 
-def keep_metrics_up_to(path: Path, step: int) -> None:
-    """A killed run may have logged steps after its last checkpoint; the resumed run logs them again."""
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """A killed run may have logged steps after its last checkpoint (metrics.jsonl, completions.jsonl): the lines of
+    later steps go, since the resumed run logs those steps again."""
     if path.is_file():
         lines = [line for line in path.open() if json.loads(line)["step"] <= step]
         path.write_text("".join(lines))

@@ -83,6 +83,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
      f"of every held-out problem at every evaluation; pass@k estimates need far fewer: use at most {MAX_EVAL_SAMPLES} "
      "(and --eval-size to evaluate fewer problems)"),
     (lambda a: a.save_every < 0, "--save-every must be >= 0 (got {save_every})"),
+    (lambda a: a.log_completions_every < 0, "--log-completions-every must be >= 0 (got {log_completions_every}); 0 "
+                                            "writes none"),
     (lambda a: a.keep_checkpoints < 1, "--keep-checkpoints must be at least 1 (got {keep_checkpoints})"),
     (lambda a: a.max_nonfinite_steps < 1, "--max-nonfinite-steps must be at least 1 (got {max_nonfinite_steps})"),
     (lambda a: not 0 <= a.seed < 2**32, "--seed must be in [0, 2**32) (got {seed})"),

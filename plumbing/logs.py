@@ -1,5 +1,6 @@
-"""Where a run's metrics go and what it prints: metrics.jsonl and wandb (Logger), the step line, the evaluation lines
-and the start-up lines (what the metrics are: metrics.py). Nothing here changes what is learned."""
+"""Where a run's metrics go and what it prints: metrics.jsonl and wandb (Logger), the sampled completions
+(completions.jsonl), the step line, the evaluation lines and the start-up lines (what the metrics are: metrics.py).
+Nothing here changes what is learned."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Logger:
 
     def __init__(self, args, run_dir: Path, wandb_id: str | None = None, active: bool = True):
         self.file = self.run = None
+        self.run_dir = run_dir
         if active:
             self.file = (run_dir / "metrics.jsonl").open("a")
             self.run = network.wandb_init(project=args.wandb_project, name=args.run_name, group=args.wandb_group,
@@ -37,6 +39,18 @@ class Logger:
         if self.run is not None:  # None: --wandb-mode disabled
             self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
+    def completions(self, rows: list[dict], step: int) -> None:
+        """One step's completions (completion_rows), a line each in completions.jsonl, and a wandb table."""
+        if self.file is None:
+            return
+        with (self.run_dir / "completions.jsonl").open("a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self.run is not None and rows:
+            import wandb  # (a wandb run exists, so it imports)
+
+            self.run.log({"completions": wandb.Table(columns=["step", *rows[0]],
+                                                     data=[[step, *row.values()] for row in rows])}, step=step)
+
     def finish(self) -> None:
         """Close both; a second call (an error after the run's end) does nothing."""
         if self.file is not None:
@@ -44,6 +58,19 @@ class Logger:
         if self.run is not None:
             self.run.finish()
         self.file = self.run = None
+
+
+def completion_rows(batch, group_size: int, world: World) -> list[dict]:
+    """Every completion of a step's rollout (every rank's, in row order; the G of a prompt share `group`): the
+    prompt as the task states it, the completion as the verifier read it, the reference, each reward term, the
+    advantage the update used, the length in tokens and whether it hit --max-new-tokens."""
+    mine = [{"prompt": ex.prompt, "completion": text, "reference": ex.answer,
+             **{term: values[i] for term, values in batch.scores.items()},
+             "advantage": float(batch.advantages[i]), "length": int(batch.ro.lengths[i]),
+             "truncated": bool(batch.ro.truncated[i])}
+            for i, (ex, text) in enumerate(zip(batch.examples, batch.texts))]
+    rows = [row for part in world.gather(mine) for row in part]
+    return [{"group": i // group_size, **row} for i, row in enumerate(rows)]
 
 
 def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "token") -> str:
@@ -82,7 +109,8 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
-    lines = [f"run folder: {run_dir} (config.json, metrics.jsonl, final/); {wandb}",
+    written = "config.json, metrics.jsonl" + (", completions.jsonl" if args.log_completions_every else "")
+    lines = [f"run folder: {run_dir} ({written}, final/); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
              f"device {policy.device}, {precision(policy)}{threads}"

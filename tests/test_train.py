@@ -234,6 +234,32 @@ def test_eval_samples_and_study_metrics_log_more_and_leave_training_unchanged(tm
     assert keep(plain) == keep(more)
 
 
+def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_used(tmp_path, tiny_policy_dir):
+    """--log-completions-every 2: completions.jsonl holds step 2's whole rollout, each completion with its reward
+    terms and the advantage GRPO gave it (recomputed here from the rows' rewards), and the run is the same run."""
+    _, plain, plain_dir = run(tmp_path / "a", tiny_policy_dir, algo="grpo", save_model=False)
+    _, logged, folder = run(tmp_path / "b", tiny_policy_dir, algo="grpo", save_model=False, log_completions_every=2)
+    keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
+    assert keep(plain) == keep(logged)
+    assert not (plain_dir / "completions.jsonl").exists()
+    rows = [json.loads(line) for line in (folder / "completions.jsonl").open()]
+    p, g = SMALL["num_prompts"], SMALL["num_generations"]
+    assert len(rows) == p * g and {r["step"] for r in rows} == {2}
+    step = next(m for m in logged if m["step"] == 2)
+    assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(step["charts/reward"], abs=1e-6)
+    assert sum(r["length"] for r in rows) / len(rows) == pytest.approx(step["charts/completion_len"], abs=1e-6)
+    for r in rows:  # the verifier's reading of the completion as written, and the reward as its terms' sum
+        assert rewards.is_correct(r["completion"], r["reference"]) == bool(r["correct"])
+        assert r["reward"] == pytest.approx(r["correct"] + 0.1 * r["format"] + 0.0 * r["overlong"])
+    for group in range(p):
+        rs = [r for r in rows if r["group"] == group]
+        assert len(rs) == g and len({r["prompt"] for r in rs}) == 1
+        reward = torch.tensor([r["reward"] for r in rs])
+        expected = (reward - reward.mean()) / (reward.std() + 1e-4)  # GRPO's A_i, the group's std
+        assert torch.allclose(torch.tensor([r["advantage"] for r in rs]), expected, atol=1e-5)
+    assert any(r["advantage"] != 0 for r in rows)  # (a rollout of uniform groups would check nothing)
+
+
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,
                                                                    monkeypatch):
     import model as models

@@ -135,6 +135,7 @@ FLAGS = [
     (["--algo", "dapo", "--overlong-cache", "100"], "--overlong-cache must be in [1, --max-new-tokens]"),
     (["--eval-every", "0"], "--eval-every must be at least 1"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--log-completions-every", "-1"], "--log-completions-every must be >= 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     (["--lr-scheduler", "sometimes"], "cannot be used here"),
     (["--output-dir", "/etc/hostname/runs"], "cannot be created"),

@@ -44,10 +44,12 @@ def test_update_over_two_ranks_equals_one_process(tmp_path, tiny_policy_dir):
 
 def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     """A 2-process DAPO run (dynamic sampling: ranks draw extra rounds together) finishes; its first evaluation, sharded
-    over ranks, equals the 1-process one; rank 0 alone wrote one line per step; the final model and summary exist."""
+    over ranks, equals the 1-process one; rank 0 alone wrote one line per step, and every completion of the steps
+    --log-completions-every picks, both ranks' groups, each of mixed correctness; the final model and summary exist."""
     small = SMALL + ["--eval-size", "40"]  # 20 held-out problems per rank
     argv = ["--model", str(tiny_policy_dir), "--algo", "dapo", "--total-steps", "4", "--eval-every", "2",
-            "--max-sampling-rounds", "30", "--output-dir", str(tmp_path / "two")] + small
+            "--max-sampling-rounds", "30", "--log-completions-every", "2",
+            "--output-dir", str(tmp_path / "two")] + small
     code, out, err = finish(torchrun(2, "train.py", argv))
     assert code == 0, err[-3000:]
     assert "2 processes" in out and out.count("held-out accuracy before") == 1  # rank 0 speaks for all
@@ -55,6 +57,11 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     rows = metrics_without_timing(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert any(r["dynamic/drawn"] > 4 for r in rows[1:])  # extra rounds happened, in step on both ranks
+    completions = [json.loads(line) for line in (run / "completions.jsonl").open()]
+    assert [c["step"] for c in completions] == [2] * 16 + [4] * 16  # 4 prompts x 4, of both ranks, written once
+    for step in (2, 4):
+        groups = [[c for c in completions if c["step"] == step and c["group"] == i] for i in range(4)]
+        assert all(len({c["prompt"] for c in g}) == 1 and len({c["correct"] for c in g}) == 2 for g in groups)
     assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
     one = subprocess.run([sys.executable, "train.py", *argv[:-len(small) - 2], "--output-dir", str(tmp_path / "one"),
                           "--total-steps", "1", *small], cwd=ROOT, capture_output=True, text=True, timeout=300,
