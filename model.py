@@ -271,6 +271,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         if not local.is_file():
             raise ModelError(f"GGUF file {name} is not a file; pass the path to a .gguf model file")
         source, kwargs = str(local.parent), {"gguf_file": local.name}
+    elif local.exists() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        raise ModelError(f"{name} holds a LoRA adapter, not a whole model; train with --merge-lora and pass its "
+                         "final/merged folder (or the base --model with --lora-rank to train a new adapter)")
     elif local.exists() and not (local / "config.json").is_file():
         raise ModelError(f"{name} is not a model directory (no config.json); pass a save_pretrained directory")
     elif local.exists():

@@ -57,7 +57,7 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
 
     # rollout: P prompts x G completions
     total_steps: int | None = None
-    """RL steps (one rollout each)"""
+    """RL steps (one rollout each); 0 evaluates --model on the held-out set and trains nothing"""
     num_prompts: int = 16
     """P: prompts per rollout"""
     num_generations: int = 8

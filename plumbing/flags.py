@@ -59,7 +59,9 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
      "--rollout-correction-min {rollout_correction_min} and --rollout-correction-max {rollout_correction_max} must be "
      "> 0 with min < max"),
     (lambda a: a.threads < 0, "--threads must be >= 0 (got {threads}); 0 keeps torch's default"),
-    (lambda a: a.total_steps < 1, "--total-steps must be at least 1 (got {total_steps})"),
+    (lambda a: a.total_steps < 0, "--total-steps must be >= 0 (got {total_steps}); 0 evaluates without training"),
+    (lambda a: a.total_steps == 0 and a.resume, "--total-steps 0 evaluates --model without training; it resumes "
+                                                 "nothing: drop --resume (a checkpoint's model: --model CHECKPOINT/model)"),
     (lambda a: a.max_new_tokens < 1, "--max-new-tokens must be at least 1 (got {max_new_tokens})"),
     (lambda a: not a.temperature > 0, "--temperature must be > 0 (got {temperature}); use 1.0 for plain sampling"),
     (lambda a: not a.lr > 0, "--lr must be > 0 (got {lr}); the default is 5e-5"),

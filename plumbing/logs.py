@@ -109,8 +109,9 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
-    written = "config.json, metrics.jsonl" + (", completions.jsonl" if args.log_completions_every else "")
-    lines = [f"run folder: {run_dir} ({written}, final/); {wandb}",
+    written = ["config.json", "metrics.jsonl"] + ["completions.jsonl"] * bool(args.log_completions_every) + \
+        ["final/"] * bool(args.save_model and args.total_steps)
+    lines = [f"run folder: {run_dir} ({', '.join(written)}); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
              f"device {policy.device}, {precision(policy)}{threads}"
@@ -128,6 +129,7 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
                      f"moves in steps of 1/{len(test_set)}; {advice}")
     trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
                if args.lora_rank else "every weight (full fine-tune)")
+    trained = trained if args.total_steps else "nothing: evaluation only (--total-steps 0)"
     lines.append(f"model: {args.model}; trains {trained}"
                  + ("; gradient checkpointing on" if args.gradient_checkpointing else ""))
     if args.model == "embedded" and args.dataset not in task.EMBEDDED_TASKS:

@@ -71,9 +71,13 @@ def default_run_name(args) -> str:
     """<algo>[-<model>][-lora<r>][-<dataset>][-np<N>]-s<seed>: runs of the documented commands (another model, LoRA,
     dataset, torchrun) get folders of their own. The embedded model (or one of its warm starts, `warm-start-*`), the default
     dataset and one process add nothing (gspo-s0); a model adds its folder or file name (Qwen/Qwen2.5-0.5B-Instruct
-    -> Qwen2.5-0.5B-Instruct, ./m.Q4_1.gguf -> m.Q4_1)."""
-    parts = [args.algo]
-    model = Path(args.model.rstrip("/")).name.removesuffix(".gguf")
+    -> Qwen2.5-0.5B-Instruct, ./m.Q4_1.gguf -> m.Q4_1), a run's final/ (or a checkpoint's model/) its run's too
+    (runs/gspo-s0/final -> gspo-s0-final). An evaluation alone (--total-steps 0) is eval-...: no objective trains."""
+    parts = [args.algo if args.total_steps != 0 else "eval"]
+    path = Path(args.model.rstrip("/"))
+    model = path.name.removesuffix(".gguf")
+    if model in ("final", "model", "merged") and path.parent.name:  # a run's final model, a checkpoint's
+        model = f"{path.parent.name}-{model}"
     if args.model != "embedded" and not model.startswith("warm-start-"):
         parts.append(model)
     if args.lora_rank:
@@ -254,7 +258,8 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             if args.model == "embedded":  # its tokenizer and context are known before any warm start is built
                 flags.check_prompt_lengths(models.build_tokenizer(), models.context_without_loading(
                     args.model, args.dataset), train_set + test_set, args.max_new_tokens, args.answer_format)
-            if not args.lora_rank:  # a full fine-tune whose weights and AdamW state cannot fit: refused before loading
+            if not args.lora_rank and args.total_steps:  # a full fine-tune whose weights and AdamW state cannot fit:
+                # refused before loading (an evaluation alone, --total-steps 0, holds neither gradients nor moments)
                 device = models.pick_device(args.device)
                 models.refuse_what_cannot_fit(args.model, device, models.pick_dtype(device, args.dtype), cfg.beta > 0,
                                               world.size if args.fsdp else 1)
@@ -268,9 +273,10 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
                                        train_set + test_set, args.max_new_tokens, args.answer_format)
         ref_policy = None
-        if cfg.beta > 0 and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
+        reference = cfg.beta > 0 and args.total_steps > 0  # (an evaluation alone, --total-steps 0, needs none)
+        if reference and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
-        elif cfg.beta > 0:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
+        elif reference:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
             ref_policy = models.frozen_reference(load_policy(args)[0] if whole else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
@@ -318,17 +324,22 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
 
 
 def finish_run(run: Run, metrics: dict) -> dict:
-    """Print the before -> after line, save the final policy, write summary.json (last: it marks the run finished)."""
+    """Print the before -> after line, save the final policy, write summary.json (last: it marks the run finished).
+    After an evaluation alone (--total-steps 0) the one accuracy, and no copy of the untrained model."""
     args, before, minutes = run.args, run.before, run.minutes()
     summary = {"algo": args.algo, "seed": args.seed, "steps": args.total_steps,
                "accuracy_before": before["eval/accuracy"], "accuracy_after": metrics["eval/accuracy"],
                "rl_minutes": minutes}
-    print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
-          f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
+    if args.total_steps:
+        print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
+              f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
+    else:
+        print(f"held-out accuracy: {before['eval/accuracy']:.3f} ({args.model}, seed {args.seed}, evaluation only)")
     # under --fsdp every rank sends its shards to rank 0, which writes them as one ordinary model
-    whole = ddp.full_state_dict(run.policy) if run.world.sharded is not None and args.save_model else None
+    whole = ddp.full_state_dict(run.policy) if run.world.sharded is not None and args.save_model and args.total_steps \
+        else None
     if run.world.main:
-        if args.save_model:  # the policy, or its LoRA adapter (and with --merge-lora the merged model)
+        if args.save_model and args.total_steps:  # the policy, or its LoRA adapter (--merge-lora: the merged model)
             models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora, whole)
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.logger.finish()

@@ -102,6 +102,9 @@ def test_default_run_names_tell_model_dataset_and_processes_apart(monkeypatch):
     assert name(model="./my-checkpoint/", dataset="embedded-long") == "gspo-my-checkpoint-embedded-long-s0"
     assert name(procs=2, dataset="openai/gsm8k", dataset_config="main") == "gspo-gsm8k-main-np2-s0"
     assert name(lora_rank=16) == "gspo-lora16-s0"  # the LoRA command of docs/reference.md lands beside the default run
+    # an evaluation alone never takes a training run's folder; a run's final model is named by its run
+    assert name(total_steps=0) == "eval-s0" and name(total_steps=0, model="runs/gspo-s0/final") == "eval-gspo-s0-final-s0"
+    assert name(model="runs/dapo-s1/checkpoints/step-000020/model") == "gspo-step-000020-model-s0"
 
 
 def test_documented_answer_lengths_are_the_tasks():

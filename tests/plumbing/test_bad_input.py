@@ -88,7 +88,8 @@ FLAGS = [
     (["--merge-lora"], "--merge-lora merges a LoRA adapter into the base: it needs --lora-rank > 0"),
     (["--lora-rank", "4", "--lora-target-modules", "c_attn"], "--lora-target-modules c_attn: none is a module"),
     (["--wandb-mode", "online"], "wandb online needs a login"),
-    (["--total-steps", "-5"], "--total-steps must be at least 1"),
+    (["--total-steps", "-5"], "--total-steps must be >= 0"),
+    (["--total-steps", "0", "--resume", "auto"], "--total-steps 0 evaluates --model without training"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
     (["--num-prompts", "-3"], "--num-prompts must be at least 1"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
@@ -116,7 +117,6 @@ FLAGS = [
     # one home for bad flags (the lists of test_reliability.py and test_train.py joined here)
     (["--num-generations", "1"], "--num-generations must be at least 2"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
-    (["--total-steps", "0"], "--total-steps must be at least 1"),
     (["--lr", "0"], "--lr must be > 0"),
     (["--lr", "-1e-4"], "--lr must be > 0"),
     (["--epsilon", "0"], "--epsilon must be in (0, 1)"),
