@@ -433,7 +433,8 @@ def train(args: Args) -> dict:
         with runs.start_run(args, cfg, run_dir, resume_from, state, world) as run:
             pi_old = pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
                                    models.compute_dtype(run.policy))
-            print(logs.PI_OLD[pi_old])
+            if args.total_steps:  # (--total-steps 0 only evaluates)
+                print(logs.PI_OLD[pi_old])
             shown = None
             if not state:  # the held-out metrics before step 1 (a resumed run has them from its checkpoint)
                 run.before, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, 0, world)

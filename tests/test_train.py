@@ -263,13 +263,18 @@ def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_u
 
 def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp_path, tiny_policy_dir, monkeypatch):
     """--total-steps 0: the held-out metrics (pass@k too) that a training run logs before its step 1, in a folder of
-    its own, with no reference model loaded (GRPO's beta > 0) and no copy of the model saved."""
-    _, trained, _ = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, save_model=False)
+    its own, with no reference model loaded (GRPO's beta > 0) and no copy of the model saved; a trained run's final/
+    scores as that run's last evaluation did."""
+    _, trained, trained_dir = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4)
     monkeypatch.setattr(models, "frozen_reference", lambda *a: pytest.fail("an evaluation alone loaded a reference"))
     summary, only, folder = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, total_steps=0)
     assert folder.name == "eval-s0" and only == [trained[0]] and "eval/pass@4" in only[0]
     assert summary["steps"] == 0 and summary["accuracy_before"] == summary["accuracy_after"] == only[0]["eval/accuracy"]
     assert not (folder / "final").exists()
+    # the trained run's final/ scores greedily as the run's last evaluation did
+    _, final, _ = run(tmp_path, trained_dir / "final", algo="grpo", total_steps=0)
+    assert {k: final[0][k] for k in ("eval/accuracy", "eval/reward")} == \
+        {k: trained[-1][k] for k in ("eval/accuracy", "eval/reward")}
 
 
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,
