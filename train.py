@@ -374,7 +374,8 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     """Greedy held-out accuracy and mean reward; with --eval-samples N, also pass@1 and pass@N over N samples per
     problem at the training temperature, drawn from a stream of their own seeded by the step (the training run's
     stream does not move). Under torchrun each rank scores every N-th problem; the sums are shared. Returns the
-    metrics and the greedy answers to show (logs.examples_to_show)."""
+    metrics and this rank's greedy answers, one dict per problem (its index in `examples`, what it was asked and
+    answered, the reference, correct and reward)."""
     policy.eval()
     mine = examples[world.rank::world.size]
 
@@ -410,7 +411,9 @@ def evaluate(policy, tokenizer, examples: list[task.Example], args: Args, step: 
     if args.eval_samples:
         out.update({f"eval/pass@{k}": v / len(examples) for k, v in zip(ks, sums[2:])})
     policy.train()
-    return out, logs.examples_to_show(mine, texts, correct, step)
+    answers = [{"problem": world.rank + i * world.size, "prompt": ex.prompt, "completion": text, "reference": ex.answer,
+                "correct": c, "reward": r} for i, (ex, text, c, r) in enumerate(zip(mine, texts, correct, reward))]
+    return out, answers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,11 +438,13 @@ def train(args: Args) -> dict:
                                    models.compute_dtype(run.policy))
             if args.total_steps:  # (--total-steps 0 only evaluates)
                 print(logs.PI_OLD[pi_old])
-            shown = None
+            answers = None
             if not state:  # the held-out metrics before step 1 (a resumed run has them from its checkpoint)
-                run.before, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, 0, world)
+                run.before, answers = evaluate(run.policy, run.tokenizer, run.test_set, args, 0, world)
                 run.logger.log(run.before, step=0)
-            print(logs.eval_lines("before", run.before, shown, len(run.test_set)))
+                if args.log_completions_every:  # every held-out problem's greedy answer
+                    run.logger.completions(logs.every_rank(answers, world), 0, "eval_completions")
+            print(logs.eval_lines("before", run.before, answers, len(run.test_set), 0))
 
         logged, run.started = run.before, time.time()
         resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"
@@ -457,15 +462,17 @@ def train(args: Args) -> dict:
             evaluated = step % args.eval_every == 0 or step == args.total_steps
             if evaluated:
                 with failures.evaluating(step):
-                    held_out, shown = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world)
+                    held_out, answers = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world)
                 logged.update(held_out)
+                if args.log_completions_every:
+                    run.logger.completions(logs.every_rank(answers, world), step, "eval_completions")
             run.logger.log(logged, step=step)
             if args.log_completions_every and step % args.log_completions_every == 0:  # what the policy wrote
                 run.logger.completions(logs.completion_rows(batch, args.num_generations, world), step)
             eta = (time.time() - run.started) / (step - run.first_step + 1) * (args.total_steps - step)
             print(logs.console_line(step, args.total_steps, logged, eta, cfg.importance_sampling_level), flush=True)
             if evaluated:
-                print(logs.eval_lines(f"at step {step}", logged, shown, len(run.test_set)), flush=True)
+                print(logs.eval_lines(f"at step {step}", logged, answers, len(run.test_set), step), flush=True)
             watch.check(step, logged)
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped

@@ -280,8 +280,8 @@ def restore(state: dict, optimizer, scheduler, gen: torch.Generator, stream, ran
 
 
 def keep_steps_up_to(path: Path, step: int) -> None:
-    """A killed run may have logged steps after its last checkpoint (metrics.jsonl, completions.jsonl): the lines of
-    later steps go, since the resumed run logs those steps again."""
+    """A killed run may have logged steps after its last checkpoint (metrics.jsonl, the completions' files): the lines
+    of later steps go, since the resumed run logs those steps again."""
     if path.is_file():
         lines = [line for line in path.open() if json.loads(line)["step"] <= step]
         path.write_text("".join(lines))

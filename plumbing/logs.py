@@ -39,17 +39,18 @@ class Logger:
         if self.run is not None:  # None: --wandb-mode disabled
             self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
-    def completions(self, rows: list[dict], step: int) -> None:
-        """One step's completions (completion_rows), a line each in completions.jsonl, and a wandb table."""
+    def completions(self, rows: list[dict], step: int, kind: str = "completions") -> None:
+        """What the policy wrote at `step`, a line per row in <kind>.jsonl and a wandb table <kind>: a rollout's
+        completions (completion_rows; kind completions) or an evaluation's greedy answers (eval_completions)."""
         if self.file is None:
             return
-        with (self.run_dir / "completions.jsonl").open("a") as f:
+        with (self.run_dir / f"{kind}.jsonl").open("a") as f:
             f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         if self.run is not None and rows:
             import wandb  # (a wandb run exists, so it imports)
 
-            self.run.log({"completions": wandb.Table(columns=["step", *rows[0]],
-                                                     data=[[step, *row.values()] for row in rows])}, step=step)
+            self.run.log({kind: wandb.Table(columns=["step", *rows[0]],
+                                            data=[[step, *row.values()] for row in rows])}, step=step)
 
     def finish(self) -> None:
         """Close both; a second call (an error after the run's end) does nothing."""
@@ -69,8 +70,14 @@ def completion_rows(batch, group_size: int, world: World) -> list[dict]:
              "advantage": float(batch.advantages[i]), "length": int(batch.ro.lengths[i]),
              "truncated": bool(batch.ro.truncated[i])}
             for i, (ex, text) in enumerate(zip(batch.examples, batch.texts))]
-    rows = [row for part in world.gather(mine) for row in part]
-    return [{"group": i // group_size, **row} for i, row in enumerate(rows)]
+    return [{"group": i // group_size, **row} for i, row in enumerate(every_rank(mine, world))]
+
+
+def every_rank(rows: list[dict], world: World) -> list[dict]:
+    """Every rank's rows, in rank order (a collective: every rank calls it); rows with a "problem" index (an
+    evaluation's answers, each rank every N-th problem) in the order of the held-out set."""
+    rows = [row for part in world.gather(rows) for row in part]
+    return sorted(rows, key=lambda row: row["problem"]) if rows and "problem" in rows[0] else rows
 
 
 def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "token") -> str:
@@ -84,14 +91,15 @@ def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "tok
             f"{m['perf/rollout_s']:.1f}s+{m['perf/update_s']:.1f}s | eta {eta_s / 60:.1f} min")
 
 
-def eval_lines(when: str, m: dict, samples: list | None, n_problems: int) -> str:
-    """The held-out evaluation on screen: accuracy (and pass@k), and greedy answers beside their references."""
+def eval_lines(when: str, m: dict, answers: list | None, n_problems: int, step: int) -> str:
+    """The held-out evaluation on screen: accuracy (and pass@k), and two greedy answers (examples_to_show) beside
+    their references."""
     passes = "".join(f", {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
     line = f"held-out accuracy {when}: {m['eval/accuracy']:.3f}{passes} ({n_problems} problem{'s' * (n_problems != 1)})"
     clip = lambda t: repr(t if len(t) <= 100 else t[:97] + "...")  # noqa: E731
-    for prompt, text, reference, correct in samples or []:
-        line += (f"\n  e.g. {clip(prompt)} -> {clip(text)} (reference {reference!r}: "
-                 f"{'right' if correct else 'wrong'})")
+    for a in examples_to_show(answers or [], step):
+        line += (f"\n  e.g. {clip(a['prompt'])} -> {clip(a['completion'])} (reference {a['reference']!r}: "
+                 f"{'right' if a['correct'] else 'wrong'})")
     return line
 
 
@@ -109,8 +117,8 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
-    written = ["config.json", "metrics.jsonl"] + ["completions.jsonl"] * bool(args.log_completions_every) + \
-        ["final/"] * bool(args.save_model and args.total_steps)
+    written = ["config.json", "metrics.jsonl"] + ["completions.jsonl", "eval_completions.jsonl"] * bool(
+        args.log_completions_every) + ["final/"] * bool(args.save_model and args.total_steps)
     lines = [f"run folder: {run_dir} ({', '.join(written)}); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
@@ -138,18 +146,17 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     return lines
 
 
-def examples_to_show(examples: list, texts: list, correct: list, step: int) -> list[tuple]:
-    """For the screen, a different problem at each evaluation (the step picks where to look): the first one
-    answered right and the first answered wrong from there on, when both exist. (prompt, completion, reference,
-    correct) each."""
-    n = len(texts)
+def examples_to_show(answers: list[dict], step: int) -> list[dict]:
+    """For the screen, a different problem at each evaluation (the step picks where to look): of the greedy answers
+    (train.evaluate's), the first one right and the first wrong from there on, when both exist."""
+    n = len(answers)
     picked = {}
     for k in range(n):
         i = (step * 37 + k) % n
-        picked.setdefault(bool(correct[i]), i)
+        picked.setdefault(bool(answers[i]["correct"]), i)
         if len(picked) == 2:
             break
-    return [(examples[i].prompt, texts[i], examples[i].answer, ok) for ok, i in sorted(picked.items(), reverse=True)]
+    return [answers[i] for _, i in sorted(picked.items(), reverse=True)]
 
 
 PI_OLD = {"on-policy": "fully on-policy (1 minibatch, 1 epoch): every ratio is exactly 1, so pi_old needs no forward "

@@ -304,7 +304,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             first_step, minutes_before = checkpoint.restore(state, optimizer, scheduler, gen, stream, world.rank,
                                                             world.sharded, resume_from)
             if world.main:  # the one writer of the run folder
-                for logged in ("metrics.jsonl", "completions.jsonl"):
+                for logged in ("metrics.jsonl", "completions.jsonl", "eval_completions.jsonl"):
                     checkpoint.keep_steps_up_to(run_dir / logged, state["step"])
             print(f"resumed from {resume_from} at step {state['step']}")
             if len(checkpoint.rank_rngs(state)) != world.size:  # (only a sharded checkpoint gets here)

@@ -98,7 +98,8 @@ class Logging:
     """save the final policy with save_pretrained"""
     log_completions_every: int = 0
     """every this many steps, write the step's whole rollout to completions.jsonl in the run folder (and a wandb
-    table): each completion with its prompt, reference, reward terms, advantage and length; 0: none"""
+    table): each completion with its prompt, reference, reward terms, advantage and length; and every evaluation's
+    greedy answers to eval_completions.jsonl; 0: none"""
     log_study_metrics: bool = False
     """the study's instrumentation every update: what each preset would clip on the same batch (clip/shadow_<algo>),
     SAPO's gate (clip/sapo_gate_mean), the ratio spread by response-length quartile (lenbucket/) and the length gap

@@ -237,7 +237,8 @@ def test_eval_samples_and_study_metrics_log_more_and_leave_training_unchanged(tm
 
 def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_used(tmp_path, tiny_policy_dir):
     """--log-completions-every 2: completions.jsonl holds step 2's whole rollout, each completion with its reward
-    terms and the advantage GRPO gave it (recomputed here from the rows' rewards), and the run is the same run."""
+    terms and the advantage GRPO gave it (recomputed here from the rows' rewards), eval_completions.jsonl each
+    evaluation's greedy answers, and the run is the same run."""
     _, plain, plain_dir = run(tmp_path / "a", tiny_policy_dir, algo="grpo", save_model=False)
     _, logged, folder = run(tmp_path / "b", tiny_policy_dir, algo="grpo", save_model=False, log_completions_every=2)
     keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
@@ -259,6 +260,14 @@ def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_u
         expected = (reward - reward.mean()) / (reward.std() + 1e-4)  # GRPO's A_i, the group's std
         assert torch.allclose(torch.tensor([r["advantage"] for r in rs]), expected, atol=1e-5)
     assert any(r["advantage"] != 0 for r in rows)  # (a rollout of uniform groups would check nothing)
+    # every evaluation's greedy answers, one per held-out problem: what its accuracy counted
+    answers = [json.loads(line) for line in (folder / "eval_completions.jsonl").open()]
+    for m in (m for m in logged if "eval/accuracy" in m):
+        mine = [a for a in answers if a["step"] == m["step"]]
+        assert [a["problem"] for a in mine] == list(range(SMALL["eval_size"]))
+        assert sum(a["correct"] for a in mine) / len(mine) == pytest.approx(m["eval/accuracy"])
+        assert all(rewards.is_correct(a["completion"], a["reference"]) == bool(a["correct"]) for a in mine)
+    assert {a["step"] for a in answers} == {0, 2}
 
 
 def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp_path, tiny_policy_dir, monkeypatch):

@@ -98,7 +98,7 @@ def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k(monkeypatch)
     policy = Policy()
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    out, shown = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=3, chunk=5)
+    out, answers = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=3, chunk=5)
     assert out["eval/accuracy"] == pytest.approx(4 / 12) and out["eval/reward"] == pytest.approx(4 / 12 + 0.5)
     assert torch.equal(torch.get_rng_state(), before)  # sampling here leaves the training run's stream alone
     assert policy.training  # back in train mode
@@ -107,7 +107,10 @@ def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k(monkeypatch)
         hits = (torch.rand(12 * 4) < 0.4).float().view(12, 4)  # one draw per sample, in the same order
     assert out["eval/pass@1"] == pytest.approx(float(hits.mean()))
     assert out["eval/pass@4"] == pytest.approx(float((hits.sum(1) > 0).float().mean()))
-    assert [(p, ok) for p, _, _, ok in shown] == [(shown[0][0], True), (shown[1][0], False)]
+    assert [(a["problem"], a["prompt"], a["completion"], a["reference"], a["correct"], a["reward"]) for a in answers] \
+        == [(i, ex.prompt, f"answer to {ex.prompt}", ex.answer, float(ex.answer == "1"), float(ex.answer == "1") + 0.5)
+            for i, ex in enumerate(EXAMPLES)]  # each problem's greedy answer, as scored_sample scored it
+    assert sum(a["correct"] for a in answers) / 12 == out["eval/accuracy"]  # the answers are what was counted
     again, _ = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=3)
     later, _ = evaluate(monkeypatch, policy, eval_samples=4, seed=7, step=4)
     assert again == out and later["eval/pass@1"] != out["eval/pass@1"]  # the same step repeats; another draws anew
@@ -116,23 +119,27 @@ def test_the_held_out_evaluation_sums_accuracy_reward_and_pass_at_k(monkeypatch)
 def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_the_whole_sets(monkeypatch):
     whole, _ = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0)
     rank1 = TwoRanks(1)
-    evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank1)
+    _, answers1 = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank1)
     assert rank1.mine == [2.0, 2.0 + 0.5 * 6]  # problems 1, 3, 5, ...: p3 and p9 right; six rewards of 0.5 more
     rank0 = TwoRanks(0, other_sum=rank1.mine)
-    on_rank0, _ = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank0)
+    on_rank0, answers0 = evaluate(monkeypatch, Policy(), eval_samples=0, seed=0, world=rank0)
     assert on_rank0 == whole
+    assert [a["problem"] for a in answers1] == list(range(1, 12, 2))  # each answer names its problem ...
+    rank0.other_obj = answers1  # ... so the gathered answers read in the held-out set's order
+    assert logs.every_rank(answers0, rank0) == evaluate(monkeypatch, Policy(), eval_samples=0, seed=0)[1]
 
 
 def test_each_evaluation_shows_other_problems_one_right_and_one_wrong():
-    texts = [f"t{i}" for i in range(12)]
-    correct = [float(ex.answer == "1") for ex in EXAMPLES]
-    picks = [logs.examples_to_show(EXAMPLES, texts, correct, step) for step in range(4)]
+    answers = [{"prompt": ex.prompt, "completion": f"t{i}", "reference": ex.answer, "correct": float(ex.answer == "1")}
+               for i, ex in enumerate(EXAMPLES)]
+    picks = [logs.examples_to_show(answers, step) for step in range(4)]
     for shown in picks:
-        assert [ok for *_, ok in shown] == [True, False]
-        assert all((ex.answer == "1") == ok for ex in EXAMPLES for p, _, ref, ok in shown if ex.prompt == p)
-    assert len({tuple(p for p, *_ in shown) for shown in picks}) == 4  # a different pair at each step
-    all_right = logs.examples_to_show(EXAMPLES, texts, [1.0] * 12, 0)
-    assert [ok for *_, ok in all_right] == [True]
+        assert [a["correct"] for a in shown] == [1.0, 0.0]
+    assert len({tuple(a["prompt"] for a in shown) for shown in picks}) == 4  # a different pair at each step
+    all_right = logs.examples_to_show([{**a, "correct": 1.0} for a in answers], 0)
+    assert [a["correct"] for a in all_right] == [1.0]
+    line = logs.eval_lines("at step 2", {"eval/accuracy": 0.25}, answers, 12, 2)
+    assert line.count("\n  e.g. ") == 2 and "(reference '1': right)" in line, line
 
 
 def test_metrics_jsonl_holds_strict_json_with_null_for_what_is_not_finite(tmp_path):

@@ -62,6 +62,11 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
     for step in (2, 4):
         groups = [[c for c in completions if c["step"] == step and c["group"] == i] for i in range(4)]
         assert all(len({c["prompt"] for c in g}) == 1 and len({c["correct"] for c in g}) == 2 for g in groups)
+    answers = [json.loads(line) for line in (run / "eval_completions.jsonl").open()]  # each rank every other problem,
+    for m in (m for m in rows if "eval/accuracy" in m):  # written once in the held-out set's order
+        mine = [a for a in answers if a["step"] == m["step"]]
+        assert [a["problem"] for a in mine] == list(range(40))
+        assert sum(a["correct"] for a in mine) / 40 == pytest.approx(m["eval/accuracy"])
     assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
     one = subprocess.run([sys.executable, "train.py", *argv[:-len(small) - 2], "--output-dir", str(tmp_path / "one"),
                           "--total-steps", "1", *small], cwd=ROOT, capture_output=True, text=True, timeout=300,

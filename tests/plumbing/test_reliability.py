@@ -225,8 +225,8 @@ def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, 
             "--log-completions-every", "1"] + SMALL
     train.main(base + ["--output-dir", str(tmp_path / "a"), "--total-steps", "4"])
     train.main(base + ["--output-dir", str(tmp_path / "b"), "--total-steps", "2"])
-    (tmp_path / "b" / "grpo-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint
-    for logged in ("metrics.jsonl", "completions.jsonl"):  # ... and after logging a step 3 it never saved
+    (tmp_path / "b" / "grpo-s0" / "summary.json").unlink()  # as if killed after its step-2 checkpoint,
+    for logged in ("metrics.jsonl", "completions.jsonl", "eval_completions.jsonl"):  # having logged a step 3
         with (tmp_path / "b" / "grpo-s0" / logged).open("a") as f:
             f.write(json.dumps({"step": 3, "killed": True}) + "\n")
     out = capsys.readouterr().out
@@ -237,7 +237,8 @@ def test_resume_continues_exactly_and_refuses_a_different_run(tmp_path, capsys, 
     wa, wb = final_weights(a), final_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics_without_timing(a) == metrics_without_timing(b)
-    assert (a / "completions.jsonl").read_text() == (b / "completions.jsonl").read_text()
+    for logged in ("completions.jsonl", "eval_completions.jsonl"):
+        assert (a / logged).read_text() == (b / logged).read_text(), logged
     assert [p.name for p in checkpoint.all_checkpoints(b / "checkpoints")] == ["step-000002", "step-000004"]
 
     ckpt = b / "checkpoints" / "step-000002"
