@@ -213,13 +213,14 @@ def test_documented_tool_commands_parse():
     --model (--entropy-bonus)."""
     from plumbing import flags
     import train
-    from tools import bench, memory, recipes, step_lines, sweep
+    from tools import bench, compare, memory, recipes, step_lines, sweep
     from tools.study.__main__ import StudyArgs
 
     parsers = {"tools.memory": memory.settings,
                "tools.bench": lambda argv: flags.parse(bench.BenchArgs, "", argv),
                "tools.recipes": lambda argv: flags.parse(recipes.RecipesArgs, "", argv),
                "tools.step_lines": lambda argv: flags.parse(step_lines.StepLinesArgs, "", argv),
+               "tools.compare": lambda argv: flags.parse(compare.CompareArgs, "", argv),
                "tools.study": lambda argv: flags.parse(StudyArgs, "", argv),
                "tools.sweep": lambda argv: flags.parse(train.Args, "", sweep.settings(argv)[1])}  # and what it passes on
     commands = documented_tool_commands()

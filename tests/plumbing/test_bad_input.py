@@ -650,6 +650,9 @@ def entry_points(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("tools.study", ["--report-only", "--data-dir", str(tmp_path / "missing")], "no runs in"),
         ("tools.step_lines", ["--bogus"], "--bogus"),
         ("tools.recipes", ["--bogus"], "--bogus"),
+        ("tools.compare", ["--a", str(tmp_path / "missing"), "--b", str(tmp_path / "missing")],
+         "no eval_completions.jsonl there"),
+        ("tools.compare", ["--show", "-1"], "--show must be >= 0"),
         ("plumbing.checkpoint", [], "usage:"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "missing")], "has no state.pt"),
         ("plumbing.checkpoint", ["--convert-trusted", str(tmp_path / "step")], "cannot convert"),
@@ -678,7 +681,7 @@ def test_every_entry_point_answers_a_bad_argument_in_one_line(tmp_path, capsys, 
         assert sorted(p for p in tmp_path.rglob("*")) == before, (module, argv, "wrote something")
         walked.add(module)
     assert walked == {"tools.memory", "tools.bench", "tools.sweep", "tools.study", "tools.step_lines",
-                      "tools.recipes", "plumbing.checkpoint"}
+                      "tools.recipes", "tools.compare", "plumbing.checkpoint"}
 
 
 def test_fsdp_on_a_torch_without_fsdp2_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
