@@ -1,6 +1,6 @@
-"""Where a run's metrics go and what it prints: metrics.jsonl and wandb (Logger), the sampled completions
-(completions.jsonl), the step line, the evaluation lines and the start-up lines (what the metrics are: metrics.py).
-Nothing here changes what is learned."""
+"""Where a run's metrics go and what it prints: metrics.jsonl and wandb (Logger), what the policy wrote (a rollout's
+completions, an evaluation's answers), the step line, the evaluation lines and the start-up lines (what the metrics
+are: metrics.py). Nothing here changes what is learned."""
 
 from __future__ import annotations
 
