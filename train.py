@@ -443,7 +443,7 @@ def train(args: Args) -> dict:
                 run.before, answers = evaluate(run.policy, run.tokenizer, run.test_set, args, 0, world)
                 run.logger.log(run.before, step=0)
                 if args.log_completions_every:  # every held-out problem's greedy answer
-                    run.logger.completions(logs.every_rank(answers, world), 0, "eval_completions")
+                    run.logger.completions(logs.every_rank(answers, world, "problem"), 0, "eval_completions")
             print(logs.eval_lines("before", run.before, answers, len(run.test_set), 0))
 
         logged, run.started = run.before, time.time()
@@ -465,7 +465,7 @@ def train(args: Args) -> dict:
                     held_out, answers = evaluate(run.policy, run.tokenizer, run.test_set, args, step, world)
                 logged.update(held_out)
                 if args.log_completions_every:
-                    run.logger.completions(logs.every_rank(answers, world), step, "eval_completions")
+                    run.logger.completions(logs.every_rank(answers, world, "problem"), step, "eval_completions")
             run.logger.log(logged, step=step)
             if args.log_completions_every and step % args.log_completions_every == 0:  # what the policy wrote
                 run.logger.completions(logs.completion_rows(batch, args.num_generations, world), step)

@@ -73,11 +73,11 @@ def completion_rows(batch, group_size: int, world: World) -> list[dict]:
     return [{"group": i // group_size, **row} for i, row in enumerate(every_rank(mine, world))]
 
 
-def every_rank(rows: list[dict], world: World) -> list[dict]:
-    """Every rank's rows, in rank order (a collective: every rank calls it); rows with a "problem" index (an
-    evaluation's answers, each rank every N-th problem) in the order of the held-out set."""
+def every_rank(rows: list[dict], world: World, order: str | None = None) -> list[dict]:
+    """Every rank's rows (a collective: every rank calls it), in rank order, or sorted by the field `order` (an
+    evaluation's answers by "problem": each rank scored every N-th problem of the held-out set)."""
     rows = [row for part in world.gather(rows) for row in part]
-    return sorted(rows, key=lambda row: row["problem"]) if rows and "problem" in rows[0] else rows
+    return rows if order is None else sorted(rows, key=lambda row: row[order])
 
 
 def console_line(step: int, total: int, m: dict, eta_s: float, level: str = "token") -> str:

@@ -126,7 +126,7 @@ def test_under_torchrun_each_rank_scores_every_other_problem_and_the_sums_are_th
     assert on_rank0 == whole
     assert [a["problem"] for a in answers1] == list(range(1, 12, 2))  # each answer names its problem ...
     rank0.other_obj = answers1  # ... so the gathered answers read in the held-out set's order
-    assert logs.every_rank(answers0, rank0) == evaluate(monkeypatch, Policy(), eval_samples=0, seed=0)[1]
+    assert logs.every_rank(answers0, rank0, "problem") == evaluate(monkeypatch, Policy(), eval_samples=0, seed=0)[1]
 
 
 def test_each_evaluation_shows_other_problems_one_right_and_one_wrong():
