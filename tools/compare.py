@@ -18,9 +18,10 @@ training run, varies more.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from base.errors import UserError, one_line_errors
 
 
 @dataclass
@@ -39,47 +40,53 @@ class CompareArgs:
     """problems to list of each kind (right only in A, right only in B)"""
 
 
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+class CompareError(UserError, ValueError):
+    """Two evaluations that cannot be compared; the message says why and what to do."""
 
 
 def answers(where: str, step: int | None, flag: str) -> tuple[int, dict[int, dict]]:
     """(the step, {problem: answer}) of one evaluation in a run's eval_completions.jsonl."""
     if not where:
-        fail(f"--{flag} names no run: pass a run folder written with --log-completions-every")
+        raise CompareError(f"--{flag} names no run: pass a run folder written with --log-completions-every")
     path = Path(where)
     path = path / "eval_completions.jsonl" if path.is_dir() else path
     if not path.is_file():
-        fail(f"--{flag} {where}: no eval_completions.jsonl there; run train.py with --log-completions-every N (with "
-             "--total-steps 0 to evaluate a model alone)")
+        raise CompareError(f"--{flag} {where}: no eval_completions.jsonl there; run train.py with "
+                           "--log-completions-every N (with --total-steps 0 to evaluate a model alone)")
     try:
         rows = [json.loads(line) for line in path.open() if line.strip()]
         steps = sorted({r["step"] for r in rows})
     except (ValueError, KeyError, TypeError) as e:
-        fail(f"--{flag} {path} is not an eval_completions.jsonl of this trainer ({type(e).__name__}: {e})")
+        raise CompareError(f"--{flag} {path} is not an eval_completions.jsonl of this trainer "
+                           f"({type(e).__name__}: {e})")
     if not steps:
-        fail(f"--{flag} {path} holds no evaluation")
+        raise CompareError(f"--{flag} {path} holds no evaluation")
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        fail(f"--step-{flag} {step}: {path} has evaluations at steps {', '.join(map(str, steps))}")
+        raise CompareError(f"--step-{flag} {step}: {path} has evaluations at steps {', '.join(map(str, steps))}")
     return step, {r["problem"]: r for r in rows if r["step"] == step}
 
 
 def main(argv: list[str] | None = None) -> None:
     from plumbing import flags
-    from tools.study import stats
 
     args = flags.parse(CompareArgs, __doc__, argv, program="python -m tools.compare")
+    with one_line_errors():  # a CompareError: one `error: ...` line, exit 2
+        compare(args)
+
+
+def compare(args: CompareArgs) -> None:
+    from tools.study import stats
+
     if args.show < 0:
-        fail(f"--show must be >= 0 (got {args.show})")
+        raise CompareError(f"--show must be >= 0 (got {args.show})")
     step_a, a = answers(args.a, args.step_a, "a")
     step_b, b = answers(args.b, args.step_b, "b")
     if set(a) != set(b) or any(a[p]["prompt"] != b[p]["prompt"] for p in a):
         differ = sorted(set(a) ^ set(b)) or [p for p in sorted(a) if a[p]["prompt"] != b[p]["prompt"]]
-        fail(f"A and B did not score the same problems ({len(a)} and {len(b)}; they differ at problem {differ[0]}): "
-             "evaluate both with the same --dataset, --eval-dataset and --eval-size")
+        raise CompareError(f"A and B did not score the same problems ({len(a)} and {len(b)}; they differ at problem "
+                           f"{differ[0]}): evaluate both with the same --dataset, --eval-dataset and --eval-size")
     problems = sorted(a)
     effect = stats.estimate([float(b[p]["correct"]) - float(a[p]["correct"]) for p in problems])
     only_a = [p for p in problems if a[p]["correct"] and not b[p]["correct"]]
