@@ -335,11 +335,11 @@ def finish_run(run: Run, metrics: dict) -> dict:
               f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
     else:
         print(f"held-out accuracy: {before['eval/accuracy']:.3f} ({args.model}, seed {args.seed}, evaluation only)")
+    save = args.save_model and args.total_steps > 0  # the policy, or its LoRA adapter (--merge-lora: the merged model)
     # under --fsdp every rank sends its shards to rank 0, which writes them as one ordinary model
-    whole = ddp.full_state_dict(run.policy) if run.world.sharded is not None and args.save_model and args.total_steps \
-        else None
+    whole = ddp.full_state_dict(run.policy) if run.world.sharded is not None and save else None
     if run.world.main:
-        if args.save_model and args.total_steps:  # the policy, or its LoRA adapter (--merge-lora: the merged model)
+        if save:
             models.save_final(run.policy, run.tokenizer, run.run_dir / "final", args.merge_lora, whole)
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.logger.finish()
