@@ -332,7 +332,7 @@ def finish_run(run: Run, metrics: dict) -> dict:
                "rl_minutes": minutes}
     if args.total_steps:
         print(f"held-out accuracy: {before['eval/accuracy']:.3f} -> {metrics['eval/accuracy']:.3f} "
-              f"({args.algo}, seed {args.seed}, {args.total_steps} steps, {minutes:.1f} min)")
+              f"({args.algo}, seed {args.seed}, {args.total_steps} step{'s' * (args.total_steps > 1)}, {minutes:.1f} min)")
     else:
         print(f"held-out accuracy: {before['eval/accuracy']:.3f} ({args.model}, seed {args.seed}, evaluation only)")
     save = args.save_model and args.total_steps > 0  # the policy, or its LoRA adapter (--merge-lora: the merged model)

@@ -173,6 +173,9 @@ def test_the_end_of_a_run_prints_and_writes_before_and_after(tmp_path, capsys):
     assert summary == json.loads((tmp_path / "summary.json").read_text()) == {
         "algo": "dapo", "seed": 3, "steps": 7, "accuracy_before": 0.25, "accuracy_after": 0.75, "rl_minutes": 1.5}
     assert "held-out accuracy: 0.250 -> 0.750 (dapo, seed 3, 7 steps, 1.5 min)" in capsys.readouterr().out
+    run.args.total_steps = 1
+    runs.finish_run(run, {"eval/accuracy": 0.75})
+    assert "(dapo, seed 3, 1 step, 1.5 min)" in capsys.readouterr().out
 
 
 def test_out_of_memory_halves_the_micro_batch_only_where_the_size_is_free_and_the_process_alone():
