@@ -94,11 +94,16 @@ def compute_dtype(model) -> torch.dtype:
 
 
 def frozen_reference(model):
-    """`model` (a copy of the starting policy) as the frozen reference of β > 0. Under bf16 autocast its linear layers
-    are stored in bf16, the copy autocast makes of them at every forward anyway: it scores bit for bit as the fp32
-    copy would, at 2 bytes per weight instead of 4 (embeddings, and a head tied to them, and norms stay fp32, as
-    autocast computes them)."""
-    model = model.eval().requires_grad_(False)
+    """`model` (a copy of the starting policy) as the frozen reference of β > 0, its linear layers stored as autocast
+    computes them (linears_as_computed)."""
+    return linears_as_computed(model.eval().requires_grad_(False))
+
+
+def linears_as_computed(model):
+    """A model that no update touches (the reference; the policy of an evaluation alone) needs no fp32 master copy.
+    Under bf16 autocast its linear layers are stored in bf16, the copy autocast makes of them at every forward
+    anyway: it scores bit for bit as the fp32 weights would, at 2 bytes per weight instead of 4 (embeddings, a head
+    tied to them or kept in fp32 by head_in_fp32, and norms stay fp32, as autocast computes them)."""
     dtype = compute_dtype(model)
     if dtype != torch.float32:
         embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}

@@ -104,10 +104,10 @@ def eval_lines(when: str, m: dict, answers: list | None, n_problems: int, step: 
 
 
 def precision(policy) -> str:
-    """float32, or e.g. 'bfloat16 autocast, float32 weights'."""
+    """float32, or e.g. 'bfloat16 autocast, float32 weights' (an evaluation alone: 'bfloat16 and float32 weights')."""
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    compute = models.compute_dtype(policy)
-    return name(compute) if compute == policy.dtype else f"{name(compute)} autocast, {name(policy.dtype)} weights"
+    compute, stored = models.compute_dtype(policy), sorted({name(p.dtype) for p in policy.parameters()})
+    return name(compute) if stored == [name(compute)] else f"{name(compute)} autocast, {' and '.join(stored)} weights"
 
 
 def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, world: World,

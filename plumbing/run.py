@@ -286,7 +286,11 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if args.gradient_checkpointing:  # transformers applies it in train mode only: never during generate
             models.enable_checkpointing(policy)
         seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
-        world.wrap(policy, args.fsdp)  # torchrun: DDP (it checks every rank holds the same weights); --fsdp: sharded
+        if args.total_steps:  # torchrun: DDP (it checks every rank holds the same weights); --fsdp: sharded
+            world.wrap(policy, args.fsdp)
+        elif not args.lora_rank:  # an evaluation alone: no DDP gradient buckets (4 bytes a weight) and no fp32
+            models.linears_as_computed(policy)  # master copy (bf16: half the memory, the same scores); each rank
+            # holds the whole model, as --fsdp's generation gathers it anyway
         if world.sharded is not None and ref_policy is not None:
             ddp.shard(ref_policy, frozen=True)
         trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter

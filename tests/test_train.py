@@ -286,6 +286,27 @@ def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp
         {k: trained[-1][k] for k in ("eval/accuracy", "eval/reward")}
 
 
+@pytest.mark.slow
+def test_an_evaluation_alone_in_bf16_stores_its_linear_layers_in_bf16_and_scores_as_a_training_run(
+        tmp_path, tiny_policy_dir, monkeypatch):
+    """--total-steps 0 updates nothing: no DDP wrapper (its gradient buckets), and under bf16 autocast the linear
+    layers held in bf16 (no fp32 master copy), which scores bit for bit as a training run's fp32 weights under the
+    same autocast: its row equals that run's step 0 (pass@k's sampling included)."""
+    kw = dict(algo="gspo", dtype="bfloat16", eval_samples=4, eval_size=8)
+    _, trained, _ = run(tmp_path, tiny_policy_dir, total_steps=1, **kw)
+    dtypes, evaluate = [], train.evaluate
+
+    def spy(policy, *a, **k):  # the dtype of each linear layer's weight, the head (tied to the embeddings) aside
+        tied = policy.get_input_embeddings().weight
+        dtypes.append({m.weight.dtype for m in policy.modules() if isinstance(m, torch.nn.Linear) and m.weight is not tied})
+        return evaluate(policy, *a, **k)
+    monkeypatch.setattr(train, "evaluate", spy)
+    monkeypatch.setattr(runs.World, "wrap", lambda *a: pytest.fail("an evaluation alone wrapped the policy"))
+    _, only, _ = run(tmp_path, tiny_policy_dir, total_steps=0, **kw)
+    assert only == [trained[0]] and "eval/pass@4" in only[0]
+    assert dtypes == [{torch.bfloat16}]
+
+
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,
                                                                    monkeypatch):
     import model as models

@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+import model as models
 import rollout
 import train
 from conftest import SMALL_ARGS, metrics_without_timing
@@ -262,6 +263,7 @@ def test_bf16_forwards_compute_in_bf16_under_autocast(tiny_policy_dir):
         next(twin.parameters()).add_(1.0)
     assert not torch.equal(twin(input_ids=ids).logits, policy(input_ids=ids).logits)
     assert logs.precision(policy) == "bfloat16 autocast, float32 weights"
+    assert logs.precision(models.linears_as_computed(twin)) == "bfloat16 autocast, bfloat16 and float32 weights"
 
 
 # ---------------------------------------------------------------------------------------------------------------
