@@ -110,4 +110,4 @@ def test_each_recipe_starts_on_a_stand_in(recipe, tmp_path, monkeypatch, stand_i
     assert seen["policy"].config.vocab_size == recipes.shape(args.model).vocab
     trainable = [p for p in seen["policy"].parameters() if p.requires_grad]
     assert bool(args.lora_rank) == (len(trainable) < len(list(seen["policy"].parameters())))
-    assert seen["policy"].is_gradient_checkpointing == args.gradient_checkpointing
+    assert models.is_checkpointing(seen["policy"]) == args.gradient_checkpointing

@@ -31,7 +31,8 @@ def test_smollm_gguf_loads_answers_in_the_chat_format_and_its_sampler_logprobs_a
     ro = rollout.generate(policy, tok, [prompt], max_new_tokens=16, greedy=True)
     # a model that loaded right is sure of its own greedy tokens; one read wrong from the GGUF (a scrambled tensor) is
     # near uniform over its 49,152 tokens (log 1/49152 = -10.8)
-    logp = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1])
+    with torch.no_grad():
+        logp = rollout.completion_logprobs(policy, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1])
     assert float((logp * ro.completion_mask).sum() / ro.completion_mask.sum()) > -2.0
 
     # sampling = pi_old on a real chat model (its template, its EOS set, prompts of other lengths left-padded,
