@@ -430,6 +430,17 @@ def as_published(model, folder: Path, state: dict | None = None) -> None:
         model.generation_config = ours
     if state is not None:  # the config names the dtype the weights were written in, and the model's own class
         name_in_config(folder, model, dtype=str(dtype).removeprefix("torch."))
+    readable_as_config(folder)
+
+
+def readable_as_config(folder: Path) -> None:
+    """safetensors 0.8 writes each file through a temporary one created 0600 (safetensors issue 782), so a saved
+    model's weights are readable by their owner only, unlike the config beside them: a colleague, or an inference
+    server running as another user, could not load the folder. The weights get the config's permission bits."""
+    configs = sorted(folder.glob("*config.json"))  # config.json, or a LoRA adapter's adapter_config.json
+    if configs:
+        for weights in folder.glob("*.safetensors"):
+            weights.chmod(configs[0].stat().st_mode & 0o777)
 
 
 def name_in_config(folder: Path, model, **fields) -> None:

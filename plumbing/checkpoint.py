@@ -319,6 +319,7 @@ def export(path: Path, out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(dtype).save_pretrained(tmp)  # in the model's own dtype, as final/
     AutoTokenizer.from_pretrained(path / "model").save_pretrained(tmp)
+    models.readable_as_config(tmp)
     os.replace(tmp, out)
 
 

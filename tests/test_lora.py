@@ -64,6 +64,9 @@ def test_a_lora_run_saves_its_adapter_and_a_merged_model_that_loads(tmp_path, ti
     assert adapter and all("lora_" in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the adapter learned something
     assert not (final / "model.safetensors").exists()  # no full copy next to the adapter
+    mode = lambda f: f.stat().st_mode & 0o777  # noqa: E731 (weights readable as their config is: not 0600 alone)
+    assert mode(final / "adapter_model.safetensors") == mode(final / "adapter_config.json")
+    assert mode(final / "merged" / "model.safetensors") == mode(final / "merged" / "config.json")
     config = json.loads((tmp_path / "grpo-lora4-s0" / "config.json").read_text())
     assert config["lora_rank"] == 4 and config["lora_alpha"] == 8.0  # α defaults to 2r
     rows = [json.loads(line) for line in (tmp_path / "grpo-lora4-s0" / "metrics.jsonl").open()]

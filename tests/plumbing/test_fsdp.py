@@ -178,6 +178,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
     exported = tmp_path / "exported"
     checkpoint.main(["--export", str(saved), str(exported)])
     assert f"wrote {exported}" in capsys.readouterr().out
+    assert (exported / "model.safetensors").stat().st_mode & 0o777 == (exported / "config.json").stat().st_mode & 0o777
     model = models.load_model(str(exported), torch.device("cpu"), torch.float32)[0]
     assert all(torch.equal(v, of_saved["weights"][k]) for k, v in model.state_dict().items())
     for n, path, name in ((2, one, "e"), (1, saved, "f")):  # a run goes on at another number of processes

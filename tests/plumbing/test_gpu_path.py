@@ -736,6 +736,8 @@ def test_final_is_saved_in_the_models_own_dtype_with_its_own_generation_config(t
     weights = load_file(final / "model.safetensors")
     assert config["dtype"] == "bfloat16" and {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert "lm_head.weight" not in weights  # tied to the embeddings, saved once
+    # readable by whoever can read its config (safetensors 0.8 alone would leave the weights 0600: owner only)
+    assert (final / "model.safetensors").stat().st_mode & 0o777 == (final / "config.json").stat().st_mode & 0o777
     saved = json.loads((final / "generation_config.json").read_text())
     assert (saved["temperature"], saved["top_p"], saved["do_sample"]) == (0.6, 0.9, True)
     policy, _ = models.load_model(str(final), torch.device("cpu"), torch.float32)
