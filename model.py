@@ -296,8 +296,13 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
                              "and has no cached copy; pass a local model directory or .gguf file")
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ModelError(f"could not load model {name!r}: {first}")
-    if "gguf_file" in kwargs:  # dequantised to `dtype` on load but still flagged as quantised, which Trainer refuses
+    quantization = getattr(model.config, "quantization_config", None)
+    if "gguf_file" in kwargs or getattr(quantization, "quant_method", None) == "gguf":
+        # transformers dequantises a GGUF file's weights to `dtype` on load but leaves the model flagged as quantised:
+        # Trainer refuses it, save_pretrained refuses it (a checkpoint, final/), and a folder saved with the flag in
+        # its config (by this trainer before it dropped it) loads flagged again, though its weights are plain
         model.is_quantized, model.hf_quantizer = False, None
+        del model.config.quantization_config
     model.own_dtype = own if isinstance(own, torch.dtype) else None  # what save_final writes the weights in
     return prepare(without_dropout(model), tokenizer, device)
 

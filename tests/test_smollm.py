@@ -26,6 +26,7 @@ def test_smollm_gguf_loads_answers_in_the_chat_format_and_its_sampler_logprobs_a
     assert sum(p.numel() for p in policy.parameters()) > 100e6
     # dequantised on load, so trainable as it is (Trainer and optimizers refuse a model flagged as quantised)
     assert not policy.is_quantized and policy.hf_quantizer is None
+    assert "quantization_config" not in policy.config.to_dict()  # nor is the flag saved with it (a checkpoint, final/)
     prompt = rollout.format_prompt(tok, task.instruct_text((47, 13)))
     assert "<|im_start|>user" in prompt and "<answer></answer>" in prompt
     ro = rollout.generate(policy, tok, [prompt], max_new_tokens=16, greedy=True)

@@ -307,6 +307,26 @@ def test_an_evaluation_alone_in_bf16_stores_its_linear_layers_in_bf16_and_scores
     assert dtypes == [{torch.bfloat16}]
 
 
+def test_a_folder_saved_from_a_gguf_model_trains_checkpoints_and_saves(tmp_path, tiny_policy_dir):
+    """transformers loads a .gguf file dequantised but flagged as quantised and writes the flag (a gguf
+    quantization_config) into every folder saved from it; such a folder then loaded flagged, and its first checkpoint
+    or final/ raised save_pretrained's "quantized with gguf and is not serializable" after the steps had run. Now the
+    flag is dropped on load: a flagged folder (planted here) trains, checkpoints and saves, and nothing it writes
+    carries the flag on."""
+    import shutil
+
+    folder = tmp_path / "from-gguf"
+    shutil.copytree(tiny_policy_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf", "gguf_file": "model.gguf", "dequantize": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    policy, _ = models.load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert not policy.is_quantized and policy.hf_quantizer is None
+    _, _, run_dir = run(tmp_path, folder, total_steps=1, save_every=1)
+    for saved in (run_dir / "final", run_dir / "checkpoints" / "step-000001" / "model"):
+        assert "quantization_config" not in json.loads((saved / "config.json").read_text()), saved
+
+
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,
                                                                    monkeypatch):
     import model as models
