@@ -172,7 +172,14 @@ def full_state_dict(model: torch.nn.Module) -> dict | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    names = {}  # a weight the model ties (a head tied to the embeddings): every name of it, one tensor, saved once
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for first, *others in names.values():
+        state.update({other: state[first] for other in others if first in state and other in state})
+    return state
 
 
 def _units(model):
