@@ -186,7 +186,8 @@ def long_problems() -> list[Problem]:
 # The prompt column is --prompt-field (default: the first of prompt, question, problem), the answer column
 # --answer-field (default: answer, then solution). A reference answer keeps what follows the last "####"
 # (GSM8K's worked answers) or, failing that, the content of its last \boxed{} (MATH's solutions). A source with
-# a "test" split is evaluated on it; otherwise a fixed hash of each prompt holds out up to 10% (at most 200).
+# a "test" split is evaluated on it; otherwise a fixed hash of each prompt holds out about 10% (each prompt with
+# chance 1/10; at most 200).
 
 PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
 TABLE_FILES = {".parquet": "parquet", ".csv": "csv"}
