@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import string
+import warnings
 from pathlib import Path
 
 import torch
@@ -363,8 +364,6 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapter: 
         from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError:
         raise ModelError("--lora-rank needs the peft package: pip install peft")
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")  # peft asks the old name
     if adapter is not None:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
@@ -430,12 +429,20 @@ def as_published(model, folder: Path, state: dict | None = None) -> None:
                  if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()}
     try:
         model.generation_config = published_generation_config(model)
-        model.save_pretrained(folder, state_dict=state)
+        save_pretrained(model, folder, state)
     finally:
         model.generation_config = ours
     if state is not None:  # the config names the dtype the weights were written in, and the model's own class
         name_in_config(folder, model, dtype=str(dtype).removeprefix("torch."))
     readable_as_config(folder)
+
+
+def save_pretrained(model, folder: Path, state: dict | None = None) -> None:
+    """model.save_pretrained, without peft's warning for an adapter whose base has no config.json beside it (a .gguf
+    file): "will assume that the vocabulary was not modified", which holds (no adapter on the embeddings)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Could not find a config file in")
+        model.save_pretrained(folder, state_dict=state)
 
 
 def readable_as_config(folder: Path) -> None:

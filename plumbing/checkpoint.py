@@ -79,7 +79,7 @@ def save(root: Path, step: int, policy, tokenizer, state: dict, keep: int, shard
         models.name_in_config(tmp / "model", policy, dtype=str(models.published_dtype(policy)).removeprefix("torch."))
     else:
         shutil.rmtree(tmp, ignore_errors=True)
-        policy.save_pretrained(tmp / "model")
+        models.save_pretrained(policy, tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     torch.save(state, tmp / "state.pt")
     if final.exists():  # saving the same step again (a stop right after a periodic save)

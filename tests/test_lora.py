@@ -107,3 +107,23 @@ def test_the_adapters_start_is_drawn_from_its_seed_alone(tiny_policy_dir):
     first, again, other = lora_a(3, global_seed=0), lora_a(3, global_seed=1), lora_a(4, global_seed=0)
     assert first and all(torch.equal(a, b) for a, b in zip(first, again))
     assert not any(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_an_adapter_over_a_gguf_base_saves_without_peft_warning_of_a_missing_config(tmp_path, tiny_policy_dir):
+    """A base loaded from a .gguf file has no config.json beside it; peft then warned at every checkpoint and at
+    final/ that it "will assume that the vocabulary was not modified" (true: no adapter on the embeddings)."""
+    import warnings
+
+    policy, _ = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    policy = models.add_lora(policy, 4, 8.0, models.LORA_TARGETS)
+    (tmp_path / "gguf-dir").mkdir()  # where a .gguf file would sit: no config.json
+    policy.peft_config["default"].base_model_name_or_path = str(tmp_path / "gguf-dir")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        policy.save_pretrained(tmp_path / "plain")  # peft's own save warns (the stand-in is right)
+    assert any("Could not find a config file" in str(w.message) for w in seen)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        models.save_pretrained(policy, tmp_path / "ours")
+    assert not any("Could not find a config file" in str(w.message) for w in seen)
+    assert (tmp_path / "ours" / "adapter_model.safetensors").is_file()
