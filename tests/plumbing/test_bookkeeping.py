@@ -23,7 +23,7 @@ from conftest import TwoRanks  # noqa: E402
 class Saves:
     """Stands in for a policy or a tokenizer: save_pretrained writes one small file."""
 
-    def save_pretrained(self, folder: Path) -> None:
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text("{}")
 
