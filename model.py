@@ -303,7 +303,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         # Trainer refuses it, save_pretrained refuses it (a checkpoint, final/), and a folder saved with the flag in
         # its config (by this trainer before it dropped it) loads flagged again, though its weights are plain
         model.is_quantized, model.hf_quantizer = False, None
-        del model.config.quantization_config
+        if quantization is not None:  # (the flag a .gguf load leaves in the config; absent, nothing to drop)
+            del model.config.quantization_config
     model.own_dtype = own if isinstance(own, torch.dtype) else None  # what save_final writes the weights in
     return prepare(without_dropout(model), tokenizer, device)
 
