@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import math
 import os
+import re
 import textwrap
 import types
 from dataclasses import asdict, fields
@@ -170,11 +171,11 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
     import contextlib
     import difflib
     import io
-    import re
     import sys
 
     import tyro
 
+    argv = switch_values(cli, sys.argv[1:] if argv is None else list(argv))
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -188,8 +189,92 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
             value, flag, options = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
             ranked = difflib.get_close_matches(value, options, n=len(options), cutoff=0)
             message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
+        elif message.startswith("Unrecognized options"):
+            message = other_name(cli, argv) or with_suggestions(message, box.getvalue())
         print(f"error: {message} ({program} --help lists every flag)", file=sys.stderr)
         sys.exit(2)
+
+
+def field_names(cli) -> dict[str, type]:
+    """A dataclass's fields and their types ({} for anything else tyro parses)."""
+    import dataclasses
+    import typing
+
+    return typing.get_type_hints(cli) if dataclasses.is_dataclass(cli) else {}
+
+
+def switch_values(cli, argv: list[str]) -> list[str]:
+    """An on/off flag (a bool with a default, which tyro spells --x / --no-x) also takes True or False, as the flags
+    whose default is None do (--dynamic-sampling False): `--mask-truncated True`, `--save-model=false` and a W&B
+    sweep's `--mask_truncated=True` become --mask-truncated and --no-save-model."""
+    switches = {name for name, kind in field_names(cli).items() if kind is bool}
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, value = token.partition("=")
+        name = flag[2:].replace("-", "_") if flag.startswith("--") else ""
+        negated = name.startswith("no_") and name[3:] in switches
+        name = name[3:] if negated else name
+        if name in switches and not eq and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+            value, i = argv[i + 1], i + 1
+        if name in switches and value.lower() in ("true", "false"):
+            on = (value.lower() == "true") != negated
+            token = f"--{'' if on else 'no-'}{name.replace('_', '-')}"
+        out.append(token)
+        i += 1
+    return out
+
+
+# Names another trainer gives a setting that this project spells its own way: TRL 1.16's GRPOConfig, verl's config
+OTHER_NAMES = {
+    "learning_rate": ("TRL", "--lr"),
+    "lr_scheduler_type": ("TRL", "--lr-scheduler"),
+    "max_completion_length": ("TRL", "--max-new-tokens"),
+    "max_steps": ("TRL", "--total-steps"),
+    "num_iterations": ("TRL", "--num-epochs"),
+    "steps_per_generation": ("TRL", "--num-minibatches"),
+    "per_device_train_batch_size": ("TRL", "--num-prompts x --num-generations rows per rollout, split into "
+                                           "--num-minibatches optimizer steps"),
+    "gradient_accumulation_steps": ("TRL", "--micro-batch-size (it changes neither the loss nor the gradient)"),
+    "loss_type": ("TRL", "--algo, or --loss-agg-mode for the aggregation alone"),
+    "mask_truncated_completions": ("TRL", "--mask-truncated"),
+    "use_bias_correction_kl": ("TRL", "--kl-ratio-correction"),
+    "vllm_importance_sampling_correction": ("TRL", "--rollout-correction MODE"),
+    "vllm_importance_sampling_mode": ("TRL", "--rollout-correction"),
+    "vllm_importance_sampling_cap": ("TRL", "--rollout-correction-max"),
+    "bf16": ("TRL", "--dtype bfloat16"),
+    "save_steps": ("TRL", "--save-every"),
+    "eval_steps": ("TRL", "--eval-every"),
+    "report_to": ("TRL", "--wandb-mode"),
+    "clip_ratio_low": ("verl", "--epsilon"),
+    "clip_ratio_high": ("verl", "--epsilon-high"),
+    "kl_loss_coef": ("verl", "--beta"),
+    "kl_loss_type": ("verl", "--kl-estimator"),
+    "adv_estimator": ("verl", "--advantage-estimator"),
+    "entropy_coeff": ("verl", "--entropy-coef"),
+    "ppo_epochs": ("verl", "--num-epochs"),
+}
+
+
+def other_name(cli, argv: list[str]) -> str | None:
+    """'--learning-rate is TRL's name; here: --lr' for the first flag of argv that is another trainer's name for one of
+    cli's flags (the flag it names exists in cli)."""
+    fields_ = field_names(cli)
+    for token in argv:
+        name = token.partition("=")[0][2:].replace("-", "_") if token.startswith("--") else ""
+        if name in OTHER_NAMES and name not in fields_:
+            trainer, ours = OTHER_NAMES[name]
+            if all(flag[2:].replace("-", "_") in fields_ for flag in re.findall(r"--[\w-]+", ours)):
+                return f"{token.partition('=')[0]} is {trainer}'s name; here: {ours}"
+    return None
+
+
+def with_suggestions(message: str, box: str) -> str:
+    """tyro's 'Unrecognized options: ...' with the flags its box suggests ('Perhaps you meant'), closest first (a
+    rule of dashes, in the box's plain rendering, is not a flag)."""
+    suggested = re.findall(r"^[│|\s]*(--[a-z][\w-]*)", box.partition("Perhaps you meant:")[2], re.M)
+    suggested = list(dict.fromkeys(suggested))[:3]
+    return f"{message}; did you mean {' or '.join(suggested)}?" if suggested else message
 
 
 def box_message(text: str) -> str:

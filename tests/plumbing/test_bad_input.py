@@ -5,6 +5,7 @@ stderr, no traceback, and the output folder absent or byte-for-byte unchanged. M
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -105,6 +106,11 @@ FLAGS = [
     (["--algo", "gspoo"], "--algo 'gspoo' is not one of its choices; use one of gspo, "),  # the closest first
     (["--num-prompts", "abc"], "--num-prompts"),  # tyro's parse errors are one line too
     (["--no-such-flag"], "--no-such-flag"),
+    (["--save-evry", "1"], "Unrecognized options: --save-evry, 1; did you mean --save-every?"),  # tyro's suggestion
+    (["--learning-rate", "1e-6"], "--learning-rate is TRL's name; here: --lr"),
+    (["--num-iterations", "2"], "--num-iterations is TRL's name; here: --num-epochs"),  # (tyro: --num-generations)
+    (["--clip-ratio-high=0.28"], "--clip-ratio-high is verl's name; here: --epsilon-high"),
+    (["--mask-truncated", "maybe"], "Unrecognized options: maybe"),
     (["--rollout-correction", "token_mask", "--old-logprobs", "sampler"], "which is 1 when pi_old is the sampler's"),
     (["--rollout-correction", "token_mask", "--rollout-correction-max", "None"], "needs a bound"),
     (["--rollout-correction-max", "0"], "must be > 0 with min < max"),
@@ -562,6 +568,39 @@ def test_help_documents_every_flag(capsys):
     assert "(default: 64; 360 for --dataset embedded-long(-instruct); 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
+
+
+def test_an_on_off_flag_also_takes_true_or_false():
+    """--x / --no-x (a bool with a default), also as --x True|False and --x=false (a W&B sweep's --x_y=True): the
+    same value either way; a flag whose default is None takes its value as before."""
+    from plumbing import flags
+
+    cli = flags.docstrings_as_help(train.Args)
+    parsed = lambda argv: flags.parse(cli, "", argv)  # noqa: E731
+    for argv, expected in ((["--mask-truncated"], True), (["--mask-truncated", "True"], True),
+                           (["--mask_truncated=true"], True), (["--mask-truncated", "False"], False),
+                           (["--no-mask-truncated", "false"], True), (["--no-mask-truncated"], False), ([], False)):
+        assert parsed(argv).mask_truncated is expected, argv
+    args = parsed(["--save-model=False", "--fsdp", "TRUE", "--dynamic-sampling", "False", "--lr", "1e-5"])
+    assert (args.save_model, args.fsdp, args.dynamic_sampling, args.lr) == (False, True, False, 1e-5)
+
+
+def test_other_trainers_names_point_to_ours():
+    """Every name in flags.OTHER_NAMES marked TRL is a field of TRL's GRPOConfig (the installed one), and every flag it
+    points to is one of train.py's."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from plumbing import flags
+
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    ours = {f.name for f in dataclasses.fields(train.Args)}
+    for name, (trainer, text) in flags.OTHER_NAMES.items():
+        assert trainer in ("TRL", "verl") and name not in ours, name
+        assert trainer != "TRL" or name in trl_fields, name
+        named = [f[2:].replace("-", "_") for f in re.findall(r"--[\w-]+", text)]
+        assert named and all(n in ours for n in named), (name, text)
 
 
 def test_minutes_after_a_resume_count_the_whole_run(tmp_path, tiny_policy_dir):

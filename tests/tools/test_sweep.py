@@ -72,6 +72,20 @@ def test_grid_names_and_overrides():
     assert runs[1]["lr"] == "3e-4"
 
 
+def test_a_swept_on_off_flag_reaches_each_run_as_its_value(tmp_path, monkeypatch):
+    """--set mask_truncated=True,False: each run's train.py command parses to that value (every run of such a sweep
+    stopped at parsing, 'Unrecognized options: True', before on/off flags took True and False)."""
+    import train
+    from plumbing import flags
+
+    commands = []
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: commands.append(cmd) or 0)
+    for run in sweep.grid(sweep.SweepArgs(algos=("dapo",), seeds=(0,), set=("mask_truncated=True,False",))):
+        sweep.launch(run, "t", [], tmp_path, 1)
+    assert [cmd[1] for cmd in commands] == ["train.py", "train.py"]
+    assert [flags.parse(train.Args, "", cmd[2:]).mask_truncated for cmd in commands] == [True, False]
+
+
 @pytest.mark.slow
 def test_a_run_stopped_by_an_error_is_not_rerun(tmp_path, tiny_policy_dir):
     """A run train.py stopped with exit code 2 (bad input, a non-finite stop, dynamic sampling giving up) would stop
