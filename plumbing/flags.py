@@ -4,6 +4,7 @@
     check_writable(folder)      --output-dir can really be created
     check_references(...)       data checks that need the loaded rows: references the answer format can match,
     check_prompt_lengths(...)   prompts that fit the model's context with --max-new-tokens
+    check_thinking(...)         --enable-thinking only where the chat template reads it
     docstrings_as_help(cls)     each Args field's docstring is its --help text; default_hints shows derived defaults
 
 The first wrong value is one ConfigError (base/errors.py): one line, exit code 2.
@@ -107,6 +108,8 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: not a.output_dir.strip(), "--output-dir must name a folder (got {output_dir!r}); the default is runs"),
     (lambda a: not a.model.strip(), "--model must not be empty; 'embedded' is the default"),
     (lambda a: not a.dataset.strip(), "--dataset must not be empty; 'embedded' is the default"),
+    (lambda a: a.enable_thinking and a.model == "embedded", "--enable-thinking opens a chat template's thinking block "
+     "(Qwen3's); the embedded model has no chat template, so no prompt would change: drop the flag"),
     (lambda a: a.lora_rank < 0, "--lora-rank must be >= 0 (got {lora_rank}); 0 trains every weight"),
     (lambda a: a.lora_rank and not a.lora_alpha > 0, "--lora-alpha must be > 0 (got {lora_alpha}); the default is "
                                                       "2 x --lora-rank"),
@@ -429,13 +432,22 @@ def check_references(examples: list, answer_format: str) -> None:
 
 
 
+def check_thinking(tokenizer, model: str) -> None:
+    """--enable-thinking acts only through a chat template that reads it (Qwen3's): refused where a prompt formatted
+    with it is the prompt formatted without it, as a comparison of the two would compare the same runs."""
+    same = rollout.format_prompt(tokenizer, "1 + 1", enable_thinking=True) == rollout.format_prompt(tokenizer, "1 + 1")
+    if same:
+        raise ConfigError(f"--enable-thinking changes no prompt of {model}: it has no chat template with a thinking "
+                          "switch (Qwen3's has one); drop the flag")
+
+
 def check_prompt_lengths(tokenizer, context: int | None, examples: list, max_new_tokens: int,
-                         answer_format: str) -> None:
+                         answer_format: str, enable_thinking: bool = False) -> None:
     """Every prompt plus the generation budget must fit the model's context. For the embedded model the tokenizer
     and context are known before its warm start is built, so this runs before minutes of work."""
     if not context:
         return
-    prompts = [rollout.format_prompt(tokenizer, e.prompt, answer_format) for e in examples]
+    prompts = [rollout.format_prompt(tokenizer, e.prompt, answer_format, enable_thinking) for e in examples]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]  # one batched call
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens > context:

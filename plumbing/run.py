@@ -270,8 +270,11 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                          adapter=resume_from / "model" if state else None, seed=args.seed)
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
+            if args.enable_thinking:
+                flags.check_thinking(tokenizer, args.model)
             flags.check_prompt_lengths(tokenizer, getattr(policy.config, "max_position_embeddings", None),
-                                       train_set + test_set, args.max_new_tokens, args.answer_format)
+                                       train_set + test_set, args.max_new_tokens, args.answer_format,
+                                       args.enable_thinking)
         ref_policy = None
         reference = cfg.beta > 0 and args.total_steps > 0  # (an evaluation alone, --total-steps 0, needs none)
         if reference and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off

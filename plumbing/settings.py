@@ -19,7 +19,8 @@ class DataSource:
     dataset_config: str = ""
     """a hub dataset's configuration (e.g. main for openai/gsm8k)"""
     enable_thinking: bool = False
-    """let a chat template that can think (Qwen3) open a thinking block; off, as most budgets here are too short"""
+    """let a chat template that can think (Qwen3) open a thinking block; off, as most budgets here are too short
+    (refused for a model whose prompts it would not change)"""
 
 
 @dataclass

@@ -111,6 +111,7 @@ FLAGS = [
     (["--num-iterations", "2"], "--num-iterations is TRL's name; here: --num-epochs"),  # (tyro: --num-generations)
     (["--clip-ratio-high=0.28"], "--clip-ratio-high is verl's name; here: --epsilon-high"),
     (["--mask-truncated", "maybe"], "Unrecognized options: maybe"),
+    (["--enable-thinking"], "--enable-thinking changes no prompt of"),  # a model without a chat template
     (["--rollout-correction", "token_mask", "--old-logprobs", "sampler"], "which is 1 when pi_old is the sampler's"),
     (["--rollout-correction", "token_mask", "--rollout-correction-max", "None"], "needs a bound"),
     (["--rollout-correction-max", "0"], "must be > 0 with min < max"),
@@ -568,6 +569,12 @@ def test_help_documents_every_flag(capsys):
     assert "(default: 64; 360 for --dataset embedded-long(-instruct); 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
+
+
+def test_enable_thinking_on_the_embedded_model_is_refused_before_its_warm_start(tmp_path, capsys):
+    out = tmp_path / "out"
+    refused(["--enable-thinking", "--output-dir", str(out), "--dataset", "embedded-long"] + SMALL, capsys, out,
+            "the embedded model has no chat template", seconds=10)
 
 
 def test_an_on_off_flag_also_takes_true_or_false():

@@ -595,6 +595,22 @@ def test_thinking_is_off_unless_asked_and_dated_templates_get_a_fixed_date():
     assert train.Args().enable_thinking is False
 
 
+def test_enable_thinking_is_refused_where_the_template_does_not_read_it():
+    """flags.check_thinking: a template that reads enable_thinking passes; one that does not (or none) is refused,
+    as --enable-thinking would change no prompt."""
+    import model as models
+    from base.errors import ConfigError
+    from plumbing import flags
+
+    tok = models.build_tokenizer()
+    tok.chat_template = THINKING_TEMPLATE
+    flags.check_thinking(tok, "qwen3-like")
+    for template in (DATED_TEMPLATE, None):
+        tok.chat_template = template
+        with pytest.raises(ConfigError, match="--enable-thinking changes no prompt of m: it has no chat template with a thinking switch"):
+            flags.check_thinking(tok, "m")
+
+
 def test_a_template_less_model_whose_tokenizer_adds_bos_gets_it():
     import model as models
 
