@@ -318,8 +318,11 @@ def validate(args, world_size: int = 1) -> None:
                           f"whole prompt groups); use a multiple of {world_size}")
     if args.num_minibatches < 1 or (args.num_prompts // world_size * args.num_generations) % args.num_minibatches:
         rollout = "the rollout's" if world_size == 1 else "each process's"
+        rows = args.num_prompts // world_size * args.num_generations
+        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
         raise ConfigError(f"--num-minibatches {args.num_minibatches} must divide {rollout} "
-                          f"{args.num_prompts // world_size}x{args.num_generations} rows")
+                          f"{args.num_prompts // world_size}x{args.num_generations} rows; use one of "
+                          f"{', '.join(map(str, divisors))} (or change --num-prompts or --num-generations)")
     if world_size > 1 and (args.device not in ("auto", "cpu", "cuda") or (
             args.device == "auto" and not torch.cuda.is_available() and torch.backends.mps.is_available())):
         raise ConfigError(f"--device {args.device} under torchrun: each rank takes its own GPU (LOCAL_RANK) with "

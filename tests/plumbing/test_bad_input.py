@@ -131,7 +131,7 @@ FLAGS = [
     (["--epsilon-high", "-0.1"], "--epsilon-high must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "0"], "--temperature must be > 0"),
-    (["--num-minibatches", "3"], "must divide the rollout's"),
+    (["--num-minibatches", "3"], "must divide the rollout's 4x4 rows; use one of 1, 2, 4, 8, 16 (or change"),
     (["--num-minibatches", "0"], "must divide the rollout's"),
     (["--num-epochs", "0"], "--num-epochs must be at least 1"),
     (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 0"),
@@ -235,6 +235,8 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
     flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
     with pytest.raises(errors.ConfigError, match="--num-prompts 8"):
         flags.validate(args(num_prompts=8, num_minibatches=1), world_size=3)
+    with pytest.raises(errors.ConfigError, match="each process's 4x8 rows; use one of 1, 2, 4, 8, 16, 32 "):
+        flags.validate(args(num_prompts=8, num_minibatches=3), world_size=2)
 
 
 @pytest.mark.parametrize("where", ["proc", "file"])
