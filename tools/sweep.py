@@ -32,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo")  # losses.PRESETS, in its order
+import losses
+
+ALGOS = tuple(losses.PRESETS)  # every --algo, in losses.py's order
 
 
 @dataclass
@@ -251,7 +253,8 @@ def steps_to(run: dict, threshold: float) -> float:
     return float(hit[0]) if len(hit) else math.nan
 
 
-# An algorithm keeps one colour, and a setting of the swept axes one line style, in every figure.
+# An algorithm keeps one colour, and a setting of the swept axes one line style, in every figure (a new preset in
+# losses.PRESETS needs its colour here: tested).
 ALGO_COLORS = {"gspo": "tab:blue", "grpo": "tab:orange", "dr_grpo": "tab:green", "dapo": "tab:red",
                "cispo": "tab:purple", "sapo": "tab:brown", "gmpo": "tab:pink"}
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]

@@ -66,6 +66,16 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     assert "grpo-lr1e-3-num_minibatches4-s0: done" in out
 
 
+def test_every_preset_is_sweepable_and_has_its_colour():
+    """sweep.ALGOS is losses.PRESETS' keys (a preset added there is an --algos choice at once) and each has its own
+    colour in every figure (the shadow-clip figure looks each one up)."""
+    import losses
+
+    assert sweep.ALGOS == tuple(losses.PRESETS)
+    assert set(sweep.ALGO_COLORS) == set(losses.PRESETS)
+    assert len(set(sweep.ALGO_COLORS.values())) == len(sweep.ALGO_COLORS)
+
+
 def test_grid_names_and_overrides():
     runs = sweep.grid(sweep.SweepArgs(algos=("gspo",), seeds=(0, 1), set=("lr=1e-4,3e-4",)))
     assert [r["run_name"] for r in runs] == ["gspo-lr1e-4-s0", "gspo-lr3e-4-s0", "gspo-lr1e-4-s1", "gspo-lr3e-4-s1"]
