@@ -190,6 +190,23 @@ def test_shadow_fractions_name_what_each_successor_does():
     assert on["clip/sapo_gate_mean"] == pytest.approx(1.0) and on["clip/shadow_sapo"] == 0.0
 
 
+def test_every_surrogate_has_its_clip_rule():
+    """clip_fraction_of answers for each --surrogate at a level it accepts, and names each one that is not PPO's clip
+    (clip, clip_cov), so a surrogate added without its rule, which would be read with PPO's clip, fails here."""
+    import inspect
+    import typing
+
+    logp, old, adv, mask = batch(0.6, seed=4)
+    log_ratio, adv_tok = (logp - old) * mask, adv.unsqueeze(-1).expand_as(logp)
+    source = inspect.getsource(losses.clip_fraction_of)
+    for surrogate in typing.get_args(losses.Surrogate):
+        level = "sequence" if surrogate == "gmpo" else "token"
+        frac = losses.clip_fraction_of(replace(PRESETS["grpo"], surrogate=surrogate, importance_sampling_level=level),
+                                       log_ratio, adv_tok, mask)
+        assert 0 <= frac <= 1, surrogate
+        assert surrogate in ("clip", "clip_cov") or f'cfg.surrogate == "{surrogate}"' in source, surrogate
+
+
 def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage():
     """GMPO clips l_it above eps_high where A > 0 and below -eps_low where A < 0, PPO's rule in log space. A row whose
     advantage is 0 (a group with equal rewards) has no side to clip: it counts in the denominator only (sgn(0) = 0
