@@ -228,8 +228,13 @@ def switch_values(cli, argv: list[str]) -> list[str]:
     return out
 
 
-# Names another trainer gives a setting that this project spells its own way: TRL 1.16's GRPOConfig, verl's config
+# Names another trainer gives a setting that this project spells its own way: TRL 1.16's GRPOConfig and its
+# scripts' ScriptArguments and ModelConfig, verl's config
 OTHER_NAMES = {
+    "model_name_or_path": ("TRL", "--model"),
+    "dataset_name": ("TRL", "--dataset"),
+    "use_peft": ("TRL", "--lora-rank R (LoRA when R > 0)"),
+    "lora_r": ("TRL", "--lora-rank"),
     "learning_rate": ("TRL", "--lr"),
     "lr_scheduler_type": ("TRL", "--lr-scheduler"),
     "max_completion_length": ("TRL", "--max-new-tokens"),

@@ -108,6 +108,7 @@ FLAGS = [
     (["--no-such-flag"], "--no-such-flag"),
     (["--save-evry", "1"], "Unrecognized options: --save-evry, 1; did you mean --save-every?"),  # tyro's suggestion
     (["--learning-rate", "1e-6"], "--learning-rate is TRL's name; here: --lr"),
+    (["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], "--model_name_or_path is TRL's name; here: --model"),
     (["--num-iterations", "2"], "--num-iterations is TRL's name; here: --num-epochs"),  # (tyro: --num-generations)
     (["--clip-ratio-high=0.28"], "--clip-ratio-high is verl's name; here: --epsilon-high"),
     (["--mask-truncated", "maybe"], "Unrecognized options: maybe"),
@@ -595,15 +596,15 @@ def test_an_on_off_flag_also_takes_true_or_false():
 
 
 def test_other_trainers_names_point_to_ours():
-    """Every name in flags.OTHER_NAMES marked TRL is a field of TRL's GRPOConfig (the installed one), and every flag it
-    points to is one of train.py's."""
+    """Every name in flags.OTHER_NAMES marked TRL is a field of TRL's GRPOConfig, ScriptArguments or ModelConfig (the
+    installed TRL's), and every flag it points to is one of train.py's."""
     import dataclasses
 
-    from trl import GRPOConfig
+    from trl import GRPOConfig, ModelConfig, ScriptArguments
 
     from plumbing import flags
 
-    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    trl_fields = {f.name for cls in (GRPOConfig, ScriptArguments, ModelConfig) for f in dataclasses.fields(cls)}
     ours = {f.name for f in dataclasses.fields(train.Args)}
     for name, (trainer, text) in flags.OTHER_NAMES.items():
         assert trainer in ("TRL", "verl") and name not in ours, name
