@@ -444,7 +444,8 @@ def train(args: Args) -> dict:
                 run.logger.log(run.before, step=0)
                 if args.log_completions_every:  # every held-out problem's greedy answer
                     run.logger.completions(logs.every_rank(answers, world, "problem"), 0, "eval_completions")
-            print(logs.eval_lines("before", run.before, answers, len(run.test_set), 0))
+            print(logs.eval_lines("before" if args.total_steps else "of --model", run.before, answers,
+                                  len(run.test_set), 0))
 
         logged, run.started = run.before, time.time()
         resume_hint = f"resume with the same flags plus --resume auto (run folder {run_dir})"

@@ -270,13 +270,17 @@ def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_u
     assert {a["step"] for a in answers} == {0, 2}
 
 
-def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp_path, tiny_policy_dir, monkeypatch):
+def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp_path, tiny_policy_dir, monkeypatch,
+                                                                             capsys):
     """--total-steps 0: the held-out metrics (pass@k too) that a training run logs before its step 1, in a folder of
     its own, with no reference model loaded (GRPO's beta > 0) and no copy of the model saved; a trained run's final/
     scores as that run's last evaluation did."""
     _, trained, trained_dir = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4)
     monkeypatch.setattr(models, "frozen_reference", lambda *a: pytest.fail("an evaluation alone loaded a reference"))
+    capsys.readouterr()
     summary, only, folder = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, total_steps=0)
+    out = capsys.readouterr().out
+    assert "held-out accuracy of --model: " in out and "accuracy before" not in out  # nothing comes after it
     assert folder.name == "eval-s0" and only == [trained[0]] and "eval/pass@4" in only[0]
     assert summary["steps"] == 0 and summary["accuracy_before"] == summary["accuracy_after"] == only[0]["eval/accuracy"]
     assert not (folder / "final").exists()
