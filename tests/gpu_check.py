@@ -545,7 +545,32 @@ def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else default
 
 
+VALUED, SWITCHES = ("--device", "--out", "--only", "--timeout"), ("--fast", "--mismatch")
+
+
+def unknown_flag(argv: list[str]) -> str | None:
+    """The first argument that is none of the flags above (a typo would otherwise be ignored and the whole check run
+    with the defaults: minutes of a lent GPU)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] not in VALUED + SWITCHES:
+            return argv[i]
+        i += 2 if argv[i] in VALUED else 1
+    return None
+
+
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:  # the docstring, before anything is checked, run or written
+        print(__doc__)
+        return 0
+    if (wrong := unknown_flag(argv)) is not None:
+        print(f"error: {wrong!r} is not a flag of gpu_check.py; it takes {', '.join(VALUED + SWITCHES)} "
+              "(--help says what each does)", file=sys.stderr)
+        return 2
+    timeout = flag(argv, "--timeout", "300")
+    if not timeout.replace(".", "", 1).isdigit() or not float(timeout) > 0:
+        print(f"error: --timeout {timeout}: give the seconds each subprocess may take, a number > 0", file=sys.stderr)
+        return 2
     device = flag(argv, "--device", "cuda")
     if "--mismatch" in argv:
         mismatch_table(device, ROOT / "docs" / "mismatch.md")
@@ -563,7 +588,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {out} is not empty; name a new folder with --out (its results are kept)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    c = Check(device, out, fast, float(flag(argv, "--timeout", "300")))
+    c = Check(device, out, fast, float(timeout))
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     head = f"gpu_check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; results in {out}"
     print(head, flush=True)

@@ -121,3 +121,19 @@ def test_a_check_name_it_does_not_have_is_one_line_and_writes_nothing(tmp_path, 
     with pytest.raises(SystemExit) as raised:
         gpu_check.main(["--device", "cpu", "--out", str(out), "--only"])
     assert raised.value.code == 2 and capsys.readouterr().err == "error: --only needs a value\n" and not out.exists()
+
+
+def test_help_a_typo_or_a_bad_timeout_runs_nothing(tmp_path, capsys):
+    """--help prints what the script checks (on a GPU machine it would otherwise start the whole check); a flag it
+    does not have (--timout) or a timeout that is not a positive number is one line, before anything is written."""
+    out = tmp_path / "out"
+    assert gpu_check.main(["--help", "--device", "cpu", "--out", str(out)]) == 0
+    assert "The checks of the one-GPU path" in capsys.readouterr().out and not out.exists()
+    for argv, message in ((["--timout", "240"], "'--timout' is not a flag of gpu_check.py"),
+                          (["--timeout", "soon"], "--timeout soon: give the seconds"),
+                          (["--timeout", "0"], "--timeout 0: give the seconds"),
+                          (["--fast", "extra"], "'extra' is not a flag")):
+        assert gpu_check.main(["--device", "cpu", "--out", str(out)] + argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+        assert not out.exists()
