@@ -539,10 +539,12 @@ FAST = ("runs", "memory", "on-policy", "generation", "oom")
 
 
 def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
-    if name in argv and argv.index(name) + 1 == len(argv):
+    """The value after the last `name` (a later flag overrides an earlier one, as in argparse), or the default."""
+    if argv and argv[-1] == name:
         print(f"error: {name} needs a value", file=sys.stderr)
         raise SystemExit(2)
-    return argv[argv.index(name) + 1] if name in argv else default
+    values = [value for given, value in zip(argv, argv[1:]) if given == name]
+    return values[-1] if values else default
 
 
 VALUED, SWITCHES = ("--device", "--out", "--only", "--timeout"), ("--fast", "--mismatch")
@@ -572,6 +574,9 @@ def main(argv: list[str]) -> int:
         print(f"error: --timeout {timeout}: give the seconds each subprocess may take, a number > 0", file=sys.stderr)
         return 2
     device = flag(argv, "--device", "cuda")
+    if device not in ("cuda", "cpu"):  # the checks branch on these two names
+        print(f"error: --device {device}: use cuda or cpu (to pick a card: CUDA_VISIBLE_DEVICES=1)", file=sys.stderr)
+        return 2
     if "--mismatch" in argv:
         mismatch_table(device, ROOT / "docs" / "mismatch.md")
         return 0

@@ -132,7 +132,8 @@ def test_help_a_typo_or_a_bad_timeout_runs_nothing(tmp_path, capsys):
     for argv, message in ((["--timout", "240"], "'--timout' is not a flag of gpu_check.py"),
                           (["--timeout", "soon"], "--timeout soon: give the seconds"),
                           (["--timeout", "0"], "--timeout 0: give the seconds"),
-                          (["--fast", "extra"], "'extra' is not a flag")):
+                          (["--fast", "extra"], "'extra' is not a flag"),
+                          (["--device", "cuda:1"], "--device cuda:1: use cuda or cpu")):  # the last one counts
         assert gpu_check.main(["--device", "cpu", "--out", str(out)] + argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
