@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
         return main_export(argv[1:])
     usage = ("python -m plumbing.checkpoint --convert-trusted RUN/checkpoints/step-NNNNNN (a checkpoint you trust), "
              "or --export RUN/checkpoints/step-NNNNNN OUT (a --fsdp checkpoint as a model folder)")
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {usage}")
+        return
     problem = (f"usage: {usage}" if len(argv) != 2 or argv[0] != "--convert-trusted" else
                f"{argv[1]} has no state.pt: pass a checkpoint folder, RUN/checkpoints/step-NNNNNN"
                if not (Path(argv[1]) / "state.pt").is_file() else None)

@@ -733,6 +733,15 @@ def test_every_entry_point_answers_a_bad_argument_in_one_line(tmp_path, capsys, 
                       "tools.recipes", "tools.compare", "plumbing.checkpoint"}
 
 
+def test_checkpoint_tool_help_is_its_usage_not_an_error(capsys):
+    from plumbing import checkpoint as checkpoints
+
+    for flag in ("-h", "--help"):
+        checkpoints.main([flag])  # returns: exit 0
+        out, err = capsys.readouterr()
+        assert out.startswith("usage: python -m plumbing.checkpoint --convert-trusted") and not err
+
+
 def test_fsdp_on_a_torch_without_fsdp2_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
     """--fsdp under torchrun on a torch without FSDP2's fully_shard (before 2.6): refused before anything loads."""
     import torch.distributed.fsdp
