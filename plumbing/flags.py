@@ -190,7 +190,7 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
         choice = re.search(r"invalid choice '(.*?)' for argument '(--[\w-]+)'\. Expected one of \((.*)\)", message)
         if choice:
             value, flag, options = choice.group(1), choice.group(2), re.findall(r"'([^']*)'", choice.group(3))
-            ranked = difflib.get_close_matches(value, options, n=len(options), cutoff=0)
+            ranked = sorted(options, key=lambda o: -difflib.SequenceMatcher(None, value.lower(), o.lower()).ratio())
             message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
         elif message.startswith("Unrecognized options"):
             message = other_name(cli, argv) or with_suggestions(message, box.getvalue())

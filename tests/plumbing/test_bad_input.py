@@ -104,6 +104,7 @@ FLAGS = [
     (["--dtype", "float16"], "--dtype float16 is not supported"),  # on every device (a GPU's weights turn NaN)
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--algo", "gspoo"], "--algo 'gspoo' is not one of its choices; use one of gspo, "),  # the closest first
+    (["--algo", "GSPO"], "--algo 'GSPO' is not one of its choices; use one of gspo, "),  # case aside
     (["--num-prompts", "abc"], "--num-prompts"),  # tyro's parse errors are one line too
     (["--no-such-flag"], "--no-such-flag"),
     (["--save-evry", "1"], "Unrecognized options: --save-evry, 1; did you mean --save-every?"),  # tyro's suggestion
