@@ -277,6 +277,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         if not local.is_file():
             raise ModelError(f"GGUF file {name} is not a file; pass the path to a .gguf model file")
         source, kwargs = str(local.parent), {"gguf_file": local.name}
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils  # its dequantising bar is a plain tqdm,
+        if not isinstance(gguf_utils.tqdm, functools.partial):  # which disable_progress_bar does not reach
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     elif local.exists() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
         raise ModelError(f"{name} holds a LoRA adapter, not a whole model; train with --merge-lora and pass its "
                          "final/merged folder (or the base --model with --lora-rank to train a new adapter)")

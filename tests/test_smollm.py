@@ -19,12 +19,13 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.slow
-def test_smollm_gguf_loads_samples_as_pi_old_and_trains_from_the_folder_it_saves(tmp_path):
+def test_smollm_gguf_loads_samples_as_pi_old_and_trains_from_the_folder_it_saves(tmp_path, capfd):
     """One test, so the GGUF file is read once (~20 s of transformers' reader): it loads dequantised and answers in
     the chat format; its sampler log-probs are pi_old; saved as a model folder, one DAPO step trains from it."""
     from tools import bench
 
     policy, tok = models.load_model(bench.smollm_path(), torch.device("cpu"), torch.float32)
+    assert "de-quantizing" not in capfd.readouterr().err  # no progress bar (model.quiet_transformers' intent)
     assert sum(p.numel() for p in policy.parameters()) > 100e6
     # dequantised on load, so trainable as it is (Trainer and optimizers refuse a model flagged as quantised)
     assert not policy.is_quantized and policy.hf_quantizer is None
