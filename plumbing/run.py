@@ -49,6 +49,16 @@ def resolve(args) -> tuple[object, LossConfig]:
     if args.scale_rewards is not None and filled["advantage_estimator"] != "grpo":
         raise ConfigError(f"--scale-rewards is grpo's divisor; --advantage-estimator {filled['advantage_estimator']} "
                           "has its own normalisation: drop --scale-rewards (or use --advantage-estimator grpo)")
+    # a setting the objective then never reads (an ablation over it would compare the same runs); its preset's own
+    # value passes, so resolving resolved args again changes nothing
+    for field, unread in (("kl_estimator", filled["beta"] == 0), ("kl_in", filled["beta"] == 0),
+                          ("kl_ratio_correction", filled["beta"] == 0),
+                          ("sapo_tau_pos", filled["surrogate"] != "sapo"), ("sapo_tau_neg", filled["surrogate"] != "sapo")):
+        if unread and getattr(args, field) not in (None, getattr(preset, field)):
+            flag = "--" + field.replace("_", "-")
+            why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)" if field.startswith("kl") \
+                else f"is SAPO's gate temperature; --surrogate {filled['surrogate']} has no gate: use --algo sapo"
+            raise ConfigError(f"{flag} {getattr(args, field)} {why}, or drop {flag} (--algo {args.algo})")
     is_dapo = args.algo == "dapo"
     args = replace(
         args, **filled,
