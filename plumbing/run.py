@@ -59,6 +59,9 @@ def resolve(args) -> tuple[object, LossConfig]:
             why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)" if field.startswith("kl") \
                 else f"is SAPO's gate temperature; --surrogate {filled['surrogate']} has no gate: use --algo sapo"
             raise ConfigError(f"{flag} {getattr(args, field)} {why}, or drop {flag} (--algo {args.algo})")
+    if args.lora_alpha not in (None, 0.0) and not args.lora_rank:  # (resolved args hold 2 x 0 = 0.0)
+        raise ConfigError(f"--lora-alpha {args.lora_alpha} scales a LoRA adapter, and without --lora-rank there is "
+                          "none (every weight trains): add --lora-rank R > 0, or drop --lora-alpha")
     is_dapo = args.algo == "dapo"
     args = replace(
         args, **filled,

@@ -122,6 +122,7 @@ FLAGS = [
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
     (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
     (["--kl-estimator", "k1"], "--kl-estimator k1 shapes the KL term, which beta 0 turns off"),  # gspo: beta 0
+    (["--lora-alpha", "16"], "--lora-alpha 16.0 scales a LoRA adapter, and without --lora-rank there is none"),
     (["--algo", "grpo", "--beta", "0", "--kl-in", "reward"], "--kl-in reward shapes the KL term"),
     (["--algo", "grpo", "--sapo-tau-neg", "2"], "--sapo-tau-neg 2.0 is SAPO's gate temperature; --surrogate clip"),
     (["--eval-samples", "1000000"], "use at most 1024"),
@@ -240,7 +241,8 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
     flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
     # a KL setting with beta > 0, a preset's own value with beta 0, a SAPO temperature under SAPO: accepted, and
     # resolving resolved args again changes nothing
-    for kw in [dict(algo="grpo", kl_estimator="k1"), dict(kl_estimator="k3"), dict(algo="sapo", sapo_tau_pos=2.0)]:
+    for kw in [dict(algo="grpo", kl_estimator="k1"), dict(kl_estimator="k3"), dict(algo="sapo", sapo_tau_pos=2.0),
+               dict(lora_rank=8, lora_alpha=16.0), dict(lora_rank=8)]:
         assert runs.resolve(args(**kw)) == runs.resolve(train.Args(**kw))
     with pytest.raises(errors.ConfigError, match="--num-prompts 8"):
         flags.validate(args(num_prompts=8, num_minibatches=1), world_size=3)
