@@ -60,6 +60,10 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
      and not a.rollout_correction_min < a.rollout_correction_max,
      "--rollout-correction-min {rollout_correction_min} and --rollout-correction-max {rollout_correction_max} must be "
      "> 0 with min < max"),
+    (lambda a: a.rollout_correction == "off" and (a.rollout_correction_min is not None or a.rollout_correction_max
+                                                  != type(a).__dataclass_fields__["rollout_correction_max"].default),
+     "--rollout-correction-min/-max bound the weight of --rollout-correction, which is off, so they change nothing: "
+     "add --rollout-correction MODE (e.g. sequence_mask) or drop them"),
     (lambda a: a.threads < 0, "--threads must be >= 0 (got {threads}); 0 keeps torch's default"),
     (lambda a: a.total_steps < 0, "--total-steps must be >= 0 (got {total_steps}); 0 evaluates without training"),
     (lambda a: a.total_steps == 0 and a.resume, "--total-steps 0 evaluates --model without training; it resumes "

@@ -118,6 +118,8 @@ FLAGS = [
     (["--rollout-correction", "token_mask", "--rollout-correction-max", "None"], "needs a bound"),
     (["--rollout-correction-max", "0"], "must be > 0 with min < max"),
     (["--rollout-correction-min", "4", "--rollout-correction-max", "3"], "must be > 0 with min < max"),
+    (["--rollout-correction-min", "0.5"], "bound the weight of --rollout-correction, which is off"),
+    (["--rollout-correction-max", "5"], "bound the weight of --rollout-correction, which is off"),
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
     (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
