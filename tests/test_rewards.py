@@ -188,7 +188,9 @@ def test_the_verifier_cannot_stall_on_absurd_answers():
     for completion in ADVERSARIAL:
         start = time.perf_counter()
         assert not rewards.is_correct(completion, "42", "boxed"), completion
-        assert time.perf_counter() - start < 1.5, completion  # the deadline is 1 s; the rest is slack for a busy CPU
+        # the deadline is 1 s and math-verify's own 5 s: 3 s tells them apart with slack for a busy CPU (a full CI
+        # run on a slow hour took 1.52 s for one completion)
+        assert time.perf_counter() - start < 3.0, completion
     start = time.perf_counter()
     scores = rewards.score(ADVERSARIAL * 4, ["42"] * 40, [10] * 40, [False] * 40, 0.1, 0.0, 64, 16, "boxed")
     assert sum(scores["correct"]) == 0 and time.perf_counter() - start < 45
