@@ -21,7 +21,7 @@ import os
 import re
 import textwrap
 import types
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 from decimal import Decimal
 from pathlib import Path
 
@@ -202,19 +202,18 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
         sys.exit(2)
 
 
-def field_names(cli) -> dict[str, type]:
+def field_types(cli) -> dict[str, type]:
     """A dataclass's fields and their types ({} for anything else tyro parses)."""
-    import dataclasses
     import typing
 
-    return typing.get_type_hints(cli) if dataclasses.is_dataclass(cli) else {}
+    return typing.get_type_hints(cli) if is_dataclass(cli) else {}
 
 
 def switch_values(cli, argv: list[str]) -> list[str]:
     """An on/off flag (a bool with a default, which tyro spells --x / --no-x) also takes True or False, as the flags
     whose default is None do (--dynamic-sampling False): `--mask-truncated True`, `--save-model=false` and a W&B
     sweep's `--mask_truncated=True` become --mask-truncated and --no-save-model."""
-    switches = {name for name, kind in field_names(cli).items() if kind is bool}
+    switches = {name for name, kind in field_types(cli).items() if kind is bool}
     out, i = [], 0
     while i < len(argv):
         token = argv[i]
@@ -271,7 +270,7 @@ OTHER_NAMES = {
 def other_name(cli, argv: list[str]) -> str | None:
     """'--learning-rate is TRL's name; here: --lr' for the first flag of argv that is another trainer's name for one of
     cli's flags (the flag it names exists in cli)."""
-    fields_ = field_names(cli)
+    fields_ = field_types(cli)
     for token in argv:
         name = token.partition("=")[0][2:].replace("-", "_") if token.startswith("--") else ""
         if name in OTHER_NAMES and name not in fields_:

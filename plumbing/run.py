@@ -51,9 +51,9 @@ def resolve(args) -> tuple[object, LossConfig]:
                           "has its own normalisation: drop --scale-rewards (or use --advantage-estimator grpo)")
     # a setting the objective then never reads (an ablation over it would compare the same runs); its preset's own
     # value passes, so resolving resolved args again changes nothing
-    for field, unread in (("kl_estimator", filled["beta"] == 0), ("kl_in", filled["beta"] == 0),
-                          ("kl_ratio_correction", filled["beta"] == 0),
-                          ("sapo_tau_pos", filled["surrogate"] != "sapo"), ("sapo_tau_neg", filled["surrogate"] != "sapo")):
+    no_kl, no_gate = filled["beta"] == 0, filled["surrogate"] != "sapo"
+    for field, unread in (("kl_estimator", no_kl), ("kl_in", no_kl), ("kl_ratio_correction", no_kl),
+                          ("sapo_tau_pos", no_gate), ("sapo_tau_neg", no_gate)):
         if unread and getattr(args, field) not in (None, getattr(preset, field)):
             flag = "--" + field.replace("_", "-")
             why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)" if field.startswith("kl") \

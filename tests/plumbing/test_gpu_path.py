@@ -607,7 +607,8 @@ def test_enable_thinking_is_refused_where_the_template_does_not_read_it():
     flags.check_thinking(tok, "qwen3-like")
     for template in (DATED_TEMPLATE, None):
         tok.chat_template = template
-        with pytest.raises(ConfigError, match="--enable-thinking changes no prompt of m: it has no chat template with a thinking switch"):
+        with pytest.raises(ConfigError, match="--enable-thinking changes no prompt of m: it has no chat template "
+                                              "with a thinking switch"):
             flags.check_thinking(tok, "m")
 
 
