@@ -37,6 +37,7 @@ Paste the verdicts into docs/speed.md with the date and the GPU's name.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -538,63 +539,67 @@ CHECKS = {"runs": check_runs, "memory": check_memory, "on-policy": check_on_poli
 FAST = ("runs", "memory", "on-policy", "generation", "oom")
 
 
-def flag(argv: list[str], name: str, default: str | None = None) -> str | None:
-    """The value after the last `name` (a later flag overrides an earlier one, as in argparse), or the default."""
-    if argv and argv[-1] == name:
-        print(f"error: {name} needs a value", file=sys.stderr)
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal is one `error:` line and exit 2 (not the usage block): a typo'd flag (--timout) is
+    refused rather than ignored, which would run the whole check with the defaults (minutes of a lent GPU)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help says what each flag does)", file=sys.stderr)
         raise SystemExit(2)
-    values = [value for given, value in zip(argv, argv[1:]) if given == name]
-    return values[-1] if values else default
 
 
-VALUED, SWITCHES = ("--device", "--out", "--only", "--timeout"), ("--fast", "--mismatch")
+def seconds(value: str) -> float:
+    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", value) or not float(value) > 0:
+        raise argparse.ArgumentTypeError(f"{value}: give the seconds each subprocess may take, a number > 0")
+    return float(value)
 
 
-def unknown_flag(argv: list[str]) -> str | None:
-    """The first argument that is none of the flags above (a typo would otherwise be ignored and the whole check run
-    with the defaults: minutes of a lent GPU)."""
-    i = 0
-    while i < len(argv):
-        if argv[i] not in VALUED + SWITCHES:
-            return argv[i]
-        i += 2 if argv[i] in VALUED else 1
-    return None
+def device_name(value: str) -> str:
+    if value not in ("cuda", "cpu"):  # the checks branch on these two names
+        raise argparse.ArgumentTypeError(f"{value}: use cuda or cpu (to pick a card: CUDA_VISIBLE_DEVICES=1)")
+    return value
+
+
+def check_names(value: str) -> list[str]:
+    if unknown := [n for n in value.split(",") if n not in CHECKS]:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown)}: no such check; the checks are {','.join(CHECKS)}")
+    return value.split(",")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The flags (the module docstring says what each does; --help prints it). A later flag overrides an earlier."""
+    parser = OneLineParser(prog="gpu_check.py", add_help=False, allow_abbrev=False)
+    parser.add_argument("--device", type=device_name, default="cuda")
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"))
+    parser.add_argument("--only", type=check_names)
+    parser.add_argument("--timeout", type=seconds, default=300.0)
+    parser.add_argument("--fast", action="store_true")
+    parser.add_argument("--mismatch", action="store_true")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:  # the docstring, before anything is checked, run or written
         print(__doc__)
         return 0
-    if (wrong := unknown_flag(argv)) is not None:
-        print(f"error: {wrong!r} is not a flag of gpu_check.py; it takes {', '.join(VALUED + SWITCHES)} "
-              "(--help says what each does)", file=sys.stderr)
-        return 2
-    timeout = flag(argv, "--timeout", "300")
-    if not timeout.replace(".", "", 1).isdigit() or not float(timeout) > 0:
-        print(f"error: --timeout {timeout}: give the seconds each subprocess may take, a number > 0", file=sys.stderr)
-        return 2
-    device = flag(argv, "--device", "cuda")
-    if device not in ("cuda", "cpu"):  # the checks branch on these two names
-        print(f"error: --device {device}: use cuda or cpu (to pick a card: CUDA_VISIBLE_DEVICES=1)", file=sys.stderr)
-        return 2
-    if "--mismatch" in argv:
-        mismatch_table(device, ROOT / "docs" / "mismatch.md")
+    try:
+        args = parse(argv)
+    except SystemExit as refused:  # its one line is printed
+        return int(refused.code)
+    if args.mismatch:
+        mismatch_table(args.device, ROOT / "docs" / "mismatch.md")
         return 0
-    if device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device here; run this on a GPU machine (or pass --device cpu to try it)", file=sys.stderr)
         return 2
-    fast = "--fast" in argv
-    names = (flag(argv, "--only") or ",".join(FAST if fast else CHECKS)).split(",")
-    if unknown := [n for n in names if n not in CHECKS]:
-        print(f"error: --only {','.join(unknown)}: no such check; the checks are {','.join(CHECKS)}", file=sys.stderr)
-        return 2
-    out = Path(flag(argv, "--out", "gpu-check")).resolve()
+    names = args.only or list(FAST if args.fast else CHECKS)
+    out = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         print(f"error: {out} is not empty; name a new folder with --out (its results are kept)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    c = Check(device, out, fast, float(timeout))
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    c = Check(args.device, out, args.fast, args.timeout)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     head = f"gpu_check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; results in {out}"
     print(head, flush=True)
     (out / "verdicts.txt").write_text(head + "\n")
