@@ -46,18 +46,18 @@ def resolve(args) -> tuple[object, LossConfig]:
     with), and make the objective's LossConfig, once, checked (losses.check_config)."""
     preset = losses.PRESETS[args.algo]
     filled = {f: getattr(preset, f) if getattr(args, f) is None else getattr(args, f) for f in losses.OBJECTIVE_FIELDS}
-    if args.scale_rewards is not None and filled["advantage_estimator"] != "grpo":
-        raise ConfigError(f"--scale-rewards is grpo's divisor; --advantage-estimator {filled['advantage_estimator']} "
-                          "has its own normalisation: drop --scale-rewards (or use --advantage-estimator grpo)")
     # a setting the objective then never reads (an ablation over it would compare the same runs); its preset's own
     # value passes, so resolving resolved args again changes nothing
-    no_kl, no_gate = filled["beta"] == 0, filled["surrogate"] != "sapo"
-    for field, unread in (("kl_estimator", no_kl), ("kl_in", no_kl), ("kl_ratio_correction", no_kl),
-                          ("sapo_tau_pos", no_gate), ("sapo_tau_neg", no_gate)):
+    no_kl, no_gate, estimator = filled["beta"] == 0, filled["surrogate"] != "sapo", filled["advantage_estimator"]
+    no_kl_why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)"
+    no_gate_why = f"is SAPO's gate temperature; --surrogate {filled['surrogate']} has no gate: use --algo sapo"
+    for field, unread, why in (
+            ("scale_rewards", estimator != "grpo", f"is grpo's divisor; --advantage-estimator {estimator} has its own "
+                                                   "normalisation: use --advantage-estimator grpo"),
+            ("kl_estimator", no_kl, no_kl_why), ("kl_in", no_kl, no_kl_why), ("kl_ratio_correction", no_kl, no_kl_why),
+            ("sapo_tau_pos", no_gate, no_gate_why), ("sapo_tau_neg", no_gate, no_gate_why)):
         if unread and getattr(args, field) not in (None, getattr(preset, field)):
             flag = "--" + field.replace("_", "-")
-            why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)" if field.startswith("kl") \
-                else f"is SAPO's gate temperature; --surrogate {filled['surrogate']} has no gate: use --algo sapo"
             raise ConfigError(f"{flag} {getattr(args, field)} {why}, or drop {flag} (--algo {args.algo})")
     if args.lora_alpha not in (None, 0.0) and not args.lora_rank:  # (resolved args hold 2 x 0 = 0.0)
         raise ConfigError(f"--lora-alpha {args.lora_alpha} scales a LoRA adapter, and without --lora-rank there is "

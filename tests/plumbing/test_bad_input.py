@@ -123,6 +123,9 @@ FLAGS = [
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
     (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
+    (["--advantage-estimator", "rloo", "--scale-rewards", "none"],
+     "--scale-rewards none is grpo's divisor; --advantage-estimator rloo has its own normalisation"),
+    (["--algo", "dr_grpo", "--advantage-estimator", "maxrl", "--scale-rewards", "group"], "--scale-rewards group"),
     (["--kl-estimator", "k1"], "--kl-estimator k1 shapes the KL term, which beta 0 turns off"),  # gspo: beta 0
     (["--lora-alpha", "16"], "--lora-alpha 16.0 scales a LoRA adapter, and without --lora-rank there is none"),
     (["--algo", "grpo", "--beta", "0", "--kl-in", "reward"], "--kl-in reward shapes the KL term"),
@@ -241,9 +244,10 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
                dict(advantage_estimator="maxrl"), dict(num_prompts=8)]:
         flags.validate(args(**kw))
     flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
-    # a KL setting with beta > 0, a preset's own value with beta 0, a SAPO temperature under SAPO: accepted, and
-    # resolving resolved args again changes nothing
+    # a KL setting with beta > 0, a preset's own value with beta 0, a SAPO temperature under SAPO, another estimator
+    # (whose resolved args hold the preset's --scale-rewards): accepted, and resolving resolved args changes nothing
     for kw in [dict(algo="grpo", kl_estimator="k1"), dict(kl_estimator="k3"), dict(algo="sapo", sapo_tau_pos=2.0),
+               dict(advantage_estimator="rloo"), dict(algo="dr_grpo", advantage_estimator="maxrl"),
                dict(lora_rank=8, lora_alpha=16.0), dict(lora_rank=8)]:
         assert runs.resolve(args(**kw)) == runs.resolve(train.Args(**kw))
     with pytest.raises(errors.ConfigError, match="--num-prompts 8"):
