@@ -117,8 +117,10 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""
-    written = ["config.json", "metrics.jsonl"] + ["completions.jsonl", "eval_completions.jsonl"] * bool(
-        args.log_completions_every) + ["final/"] * bool(args.save_model and args.total_steps)
+    trains, samples = bool(args.total_steps), bool(args.log_completions_every)  # (--total-steps 0: evaluation only)
+    written = ["config.json", "metrics.jsonl"] + ["completions.jsonl"] * (trains and samples) \
+        + ["eval_completions.jsonl"] * samples + ["checkpoints/"] * (trains and args.save_every > 0) \
+        + ["final/"] * (trains and args.save_model)
     lines = [f"run folder: {run_dir} ({', '.join(written)}); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "

@@ -36,6 +36,12 @@ def run(tmp_path, model_dir, **kw):
     return summary, metrics, tmp_path / name
 
 
+def listed(out: str) -> set[str]:
+    """The files the start-up's `run folder: DIR (a, b, c/); wandb ...` line says the run writes."""
+    line = next(ln for ln in out.splitlines() if ln.startswith("run folder: "))
+    return {name.rstrip("/") for name in line.split(" (", 1)[1].split(");")[0].split(", ")}
+
+
 @pytest.mark.parametrize("algo", ["grpo", "dr_grpo", pytest.param("dapo", marks=pytest.mark.slow), "gspo",
                                   "cispo", "sapo", "gmpo"])  # dapo: dynamic sampling redraws, ~1.5 s
 def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_policy_dir, algo):
@@ -235,12 +241,16 @@ def test_eval_samples_and_study_metrics_log_more_and_leave_training_unchanged(tm
     assert keep(plain) == keep(more)
 
 
-def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_used(tmp_path, tiny_policy_dir):
+def test_log_completions_writes_a_steps_rollout_with_the_advantages_the_update_used(tmp_path, tiny_policy_dir,
+                                                                                     capsys):
     """--log-completions-every 2: completions.jsonl holds step 2's whole rollout, each completion with its reward
     terms and the advantage GRPO gave it (recomputed here from the rows' rewards), eval_completions.jsonl each
     evaluation's greedy answers, and the run is the same run."""
     _, plain, plain_dir = run(tmp_path / "a", tiny_policy_dir, algo="grpo", save_model=False)
+    capsys.readouterr()
     _, logged, folder = run(tmp_path / "b", tiny_policy_dir, algo="grpo", save_model=False, log_completions_every=2)
+    written = {"config.json", "metrics.jsonl", "completions.jsonl", "eval_completions.jsonl"}  # (and summary.json)
+    assert listed(capsys.readouterr().out) == written == {f.name for f in folder.iterdir()} - {"summary.json"}
     keep = lambda ms: [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]  # noqa: E731
     assert keep(plain) == keep(logged)
     assert not (plain_dir / "completions.jsonl").exists()
@@ -278,8 +288,11 @@ def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp
     _, trained, trained_dir = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4)
     monkeypatch.setattr(models, "frozen_reference", lambda *a: pytest.fail("an evaluation alone loaded a reference"))
     capsys.readouterr()
-    summary, only, folder = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, total_steps=0)
+    summary, only, folder = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, total_steps=0,
+                                log_completions_every=1)
     out = capsys.readouterr().out
+    written = {"config.json", "metrics.jsonl", "eval_completions.jsonl"}  # no rollout, no final/ (and summary.json)
+    assert listed(out) == written == {f.name for f in folder.iterdir()} - {"summary.json"}
     assert "held-out accuracy of --model: " in out and "accuracy before" not in out  # nothing comes after it
     assert folder.name == "eval-s0" and only == [trained[0]] and "eval/pass@4" in only[0]
     assert summary["steps"] == 0 and summary["accuracy_before"] == summary["accuracy_after"] == only[0]["eval/accuracy"]
@@ -311,7 +324,7 @@ def test_an_evaluation_alone_in_bf16_stores_its_linear_layers_in_bf16_and_scores
     assert dtypes == [{torch.bfloat16}]
 
 
-def test_a_folder_saved_from_a_gguf_model_trains_checkpoints_and_saves(tmp_path, tiny_policy_dir):
+def test_a_folder_saved_from_a_gguf_model_trains_checkpoints_and_saves(tmp_path, tiny_policy_dir, capsys):
     """transformers loads a .gguf file dequantised but flagged as quantised and writes the flag (a gguf
     quantization_config) into every folder saved from it; such a folder then loaded flagged, and its first checkpoint
     or final/ raised save_pretrained's "quantized with gguf and is not serializable" after the steps had run. Now the
@@ -326,7 +339,10 @@ def test_a_folder_saved_from_a_gguf_model_trains_checkpoints_and_saves(tmp_path,
     (folder / "config.json").write_text(json.dumps(config))
     policy, _ = models.load_model(str(folder), torch.device("cpu"), torch.float32)
     assert not policy.is_quantized and policy.hf_quantizer is None
+    capsys.readouterr()
     _, _, run_dir = run(tmp_path, folder, total_steps=1, save_every=1)
+    written = {"config.json", "metrics.jsonl", "checkpoints", "final"}  # as the start-up said (and summary.json)
+    assert listed(capsys.readouterr().out) == written == {f.name for f in run_dir.iterdir()} - {"summary.json"}
     for saved in (run_dir / "final", run_dir / "checkpoints" / "step-000001" / "model"):
         assert "quantization_config" not in json.loads((saved / "config.json").read_text()), saved
 
