@@ -111,6 +111,8 @@ def set_axes(items: tuple[str, ...], train_args: list[str] = ()) -> list[tuple[s
         if field in fixed:
             raise SweepError(f"{field} is both swept (--set) and fixed (--{field.replace('_', '-')}); "
                              "keep one")
+        if len(set(values.split(","))) < len(values.split(",")):  # two runs of one name: the same folder
+            raise SweepError(f"--set {item!r} names a value twice; give each once")
         axes.append((field, values.split(",")))
     return axes
 
@@ -544,6 +546,11 @@ def settings(argv: list[str] | None) -> tuple[SweepArgs, list[str], list[tuple[s
         raise SweepError(f"--parallel {args.parallel}: must be at least 1 (runs at a time)")
     if not 0 <= args.threshold <= 1:
         raise SweepError(f"--threshold {args.threshold}: a held-out accuracy, between 0 and 1")
+    for flag, given in (("--algos", list(args.algos)), ("--seeds", list(args.seeds))):
+        if not args.report_only and not given:
+            raise SweepError(f"{flag} is empty: name at least one (the grid would hold no run)")
+        if len(set(given)) < len(given):  # two runs of one name: the same folder
+            raise SweepError(f"{flag} names {next(v for v in given if given.count(v) > 1)} twice; give each once")
     unknown = [a for a in args.algos if a not in ALGOS]
     if unknown:
         raise SweepError(f"--algos {unknown[0]!r} is not an objective; use some of {', '.join(ALGOS)}")

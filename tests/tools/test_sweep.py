@@ -119,10 +119,21 @@ def test_repeated_set_flags_are_gathered_and_mistakes_refused():
             (("learning_rate=1e-4",), [], "no field 'learning_rate'"),
             (("lr",), [], "must look like field=v1,v2"),
             (("lr=1e-4,",), [], "must look like field=v1,v2"),
+            (("lr=1e-4,1e-4",), [], "names a value twice"),  # two runs of one name would share a folder
             (("seed=0,1",), [], "with --seeds"),
             (("lr=1e-4,3e-4",), ["--lr", "1e-3"], "both swept (--set) and fixed")]:
         with pytest.raises(sweep.SweepError, match=re.escape(message)):
             sweep.set_axes(items, train_args)
+
+
+def test_an_empty_or_repeated_algo_or_seed_list_is_refused():
+    """`--seeds` with no value planned 0 runs, then blamed missing runs; a repeated one named two runs alike, which
+    would share a folder."""
+    for argv, message in [(["--algos"], "--algos is empty"), (["--seeds"], "--seeds is empty"),
+                          (["--seeds", "0", "1", "0"], "--seeds names 0 twice"),
+                          (["--algos", "gspo", "grpo", "gspo"], "--algos names gspo twice")]:
+        with pytest.raises(sweep.SweepError, match=re.escape(message)):
+            sweep.settings(argv)
 
 
 @pytest.mark.slow
