@@ -193,7 +193,7 @@ def test_a_synthetic_study_with_every_effect_built_in_reproduces_every_claim(tmp
     assert summary.count("**reproduced**") == len(study.CLAIMS) - margins and "MDE" in summary
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("\nafter\n") and "old" not in text
-    assert f"{len(study.CLAIMS) - margins} reproduced, {margins} non-inferior." in text
+    assert f"{len(study.CLAIMS) - margins} reproduced; {margins} non-inferior." in text
 
 
 def test_the_data_decides_each_verdict():

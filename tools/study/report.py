@@ -61,7 +61,9 @@ WORDS = ("reproduced", "smaller than predicted", "opposite", "predicted effect e
 
 
 def counts(rows: list[dict], key: str = "verdict") -> str:
-    return ", ".join(f"{n} {w}" for w in WORDS if (n := sum(r[key] == w for r in rows)))
+    """`3 reproduced; 5 predicted effect excluded, no effect not excluded; ...`: a semicolon between verdicts, as one
+    verdict's words hold a comma."""
+    return "; ".join(f"{n} {w}" for w in WORDS if (n := sum(r[key] == w for r in rows)))
 
 
 def shared_text(rows: list[dict]) -> str:
