@@ -267,9 +267,11 @@ def axes_label(axes: dict) -> str:
 
 
 def groups_of(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """Runs grouped by (algo, setting of every swept axis): the seeds of one grid cell form one group."""
+    """Runs grouped by (algo, setting of every swept axis): the seeds of one grid cell form one group; the objectives
+    in the papers' order (ALGOS, the README's), so every table and legend lists them alike."""
     out: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(runs, key=lambda r: (r["config"]["algo"], axes_label(r["axes"]))):
+    rank = lambda algo: ALGOS.index(algo) if algo in ALGOS else len(ALGOS)  # noqa: E731
+    for r in sorted(runs, key=lambda r: (rank(r["config"]["algo"]), r["config"]["algo"], axes_label(r["axes"]))):
         out.setdefault((r["config"]["algo"], axes_label(r["axes"])), []).append(r)
     return out
 
@@ -344,7 +346,7 @@ def detail_tables(runs: list[dict]) -> list[str]:
            "tokens otherwise; the diagonal is what the group itself clipped).", "",
            "| rule \\ batches of | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     shadow = sorted({k.removeprefix("clip/shadow_") for r in runs for row in r["rows"] for k in row
-                     if k.startswith("clip/shadow_")}, key=lambda a: (a not in ALGOS, a))
+                     if k.startswith("clip/shadow_")}, key=lambda a: (ALGOS.index(a) if a in ALGOS else len(ALGOS), a))
     for preset in shadow:
         out.append(f"| {preset} | " + " | ".join(mean_of(rs, f"clip/shadow_{preset}") for rs in groups.values()) + " |")
     out += ["", "Spread of the sequence log-ratio by length quartile (RMS over steps and seeds; the figure's points): "
@@ -362,9 +364,17 @@ def detail_tables(runs: list[dict]) -> list[str]:
 
 
 def save_figure(fig, path: Path) -> int:
-    """Save and close a figure; returns how many data points its lines carry (0 means an empty plot)."""
+    """Save and close a figure; returns how many data points its lines carry (0 means an empty plot). Step axes get
+    whole-number ticks (a short sweep's would read 0.25 steps) and legends long enough samples to show each line
+    style (a setting), with the point markers on them."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        if ax.get_legend() is not None:
+            ax.legend(fontsize=7, handlelength=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     points = plotted_points(fig)
