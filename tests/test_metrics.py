@@ -46,17 +46,21 @@ def clipped(w, a, eps, eps_high):  # PPO's rule, as the papers state it: the min
 
 
 @pytest.mark.parametrize("algo", ["dapo", "gspo"])
-def test_ratio_diagnostics_equal_their_definitions(algo):
+@pytest.mark.parametrize("eps_high", [0.28, 0.3])
+def test_ratio_diagnostics_equal_their_definitions(algo, eps_high):
+    """Row 2's s_i is 1.29 with A > 0: clipped above 1 + 0.28, and inside the band clip-higher opens at 0.3 (so a
+    rule that read epsilon for the upper side would show)."""
     logp, old, adv, mask = batch()
-    cfg = replace(PRESETS[algo], epsilon=0.2, epsilon_high=0.28)  # gspo's own 3e-4 would clip every sequence
+    adv[2] = 0.5
+    cfg = replace(PRESETS[algo], epsilon=0.2, epsilon_high=eps_high)  # gspo's own 3e-4 would clip every sequence
     diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
     rows = [i for i, n in enumerate(LENGTHS) if n]
     l = {i: [float(logp[i, t] - old[i, t]) for t in range(LENGTHS[i])] for i in rows}  # token log-ratios l_it
     tokens = [(x, float(adv[i]), i) for i in rows for x in l[i]]
     log_s = {i: mean(l[i]) for i in rows}  # log of GSPO's s_i
-    tok_low = sum(clipped(math.exp(x), a, 0.2, 0.28) and a < 0 for x, a, _ in tokens) / len(tokens)
-    tok_high = sum(clipped(math.exp(x), a, 0.2, 0.28) and a > 0 for x, a, _ in tokens) / len(tokens)
-    seq_clipped = [i for i in rows if clipped(math.exp(log_s[i]), float(adv[i]), 0.2, 0.28)]
+    tok_low = sum(clipped(math.exp(x), a, 0.2, eps_high) and a < 0 for x, a, _ in tokens) / len(tokens)
+    tok_high = sum(clipped(math.exp(x), a, 0.2, eps_high) and a > 0 for x, a, _ in tokens) / len(tokens)
+    seq_clipped = [i for i in rows if clipped(math.exp(log_s[i]), float(adv[i]), 0.2, eps_high)]
     want = {
         "ratio/token_mean": mean([math.exp(x) for x, _, _ in tokens]),
         "ratio/token_var": pvar([math.exp(x) for x, _, _ in tokens]),
@@ -74,6 +78,7 @@ def test_ratio_diagnostics_equal_their_definitions(algo):
     }
     want["clip/frac"] = want["clip/token_frac" if algo == "dapo" else "clip/seq_frac"]  # at the objective's level
     assert 0 < want["clip/token_low"] and 0 < want["clip/token_high"] and 0 < want["clip/seq_frac"] < 1  # all exercised
+    assert (want["clip/seq_high"] > 0) == (eps_high == 0.28)  # row 2: clipped, or inside the band
     assert diag == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
@@ -98,6 +103,9 @@ def test_rollout_metrics_equal_their_definitions():
         "rewards/correct": 2 / 6, "rewards/format": 3 / 6,
         "charts/len_correct": 5.0, "charts/len_incorrect": (9 + 12 + 12 + 3) / 4,
     }, rel=1e-6)
+    # a group whose rewards differ by the format term alone (0.1 apart) is not a zero-std group: it has a gradient
+    near = SimpleNamespace(ro=ro, scores={**b.scores, "reward": [1.0, 1.1, 1.0, 0.5, 0.5, 0.5]})
+    assert metrics.rollout_metrics(near, adv, 3, drawn, 9, 3, SINGLE)["charts/zero_std_group_frac"] == 1 / 2
 
 
 def test_timing_divides_generated_tokens_by_the_rollout_time():
