@@ -236,15 +236,31 @@ def load_state(path: Path) -> dict:
     return state
 
 
-def compare_configs(saved: dict, current: dict) -> list[str]:
-    """Refuse a resume that changes what the run computes; return the harmless changes, for the log."""
+def compare_configs(saved: dict, current: dict, path: Path | None = None) -> list[str]:
+    """Refuse a resume that changes what the run computes, naming how to train from the checkpoint's weights with
+    the new settings instead; return the harmless changes, for the log."""
     changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     meaningful = [k for k in changed if k not in HARMLESS]
     if meaningful:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in meaningful)
-        raise CheckpointError(f"cannot resume: the checkpoint's run differs in {diffs}; use the original flags, "
-                              "or start a new run with another --run-name")
+        raise CheckpointError(f"cannot resume: the checkpoint's run differs in {diffs}; use the original flags to "
+                              f"resume it{new_run_from(path)}; or start a new run with another --run-name")
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed if k != "resume"]
+
+
+def new_run_from(path: Path | None) -> str:
+    """How a new run starts from a checkpoint's weights with other settings (AdamW's moments and the schedule start
+    afresh): its model/ folder, or under --fsdp (model/ holds no weights) the folder --export writes. A LoRA
+    checkpoint's model/ is an adapter, which --model does not take: nothing."""
+    if path is None:
+        return ""
+    fresh = "(a new run: AdamW's moments and the learning-rate schedule start afresh)"
+    if (path / "model" / "config.json").is_file() and any((path / "model").glob("*.safetensors")):
+        return f"; to train from its weights with these settings, replace --resume with --model {path / 'model'} {fresh}"
+    if (path / "shards" / ".metadata").is_file():
+        return (f"; to train from its weights with these settings, write them out (`python -m plumbing.checkpoint "
+                f"--export {path} OUT`) and replace --resume with --model OUT {fresh}")
+    return ""
 
 
 def rank_rngs(state: dict) -> list[dict]:

@@ -46,7 +46,7 @@ def preflight(args, run_dir: Path, world_size: int = 1):
         return None, None
     state = checkpoint.load_state(resume_from)
     checkpoint.check_world_size(state, world_size, resume_from)
-    for change in checkpoint.compare_configs(state["config"], asdict(args)):
+    for change in checkpoint.compare_configs(state["config"], asdict(args), resume_from):
         print(f"resume: allowed change {change}")
     return resume_from, state
 

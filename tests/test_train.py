@@ -345,6 +345,9 @@ def test_a_folder_saved_from_a_gguf_model_trains_checkpoints_and_saves(tmp_path,
     assert listed(capsys.readouterr().out) == written == {f.name for f in run_dir.iterdir()} - {"summary.json"}
     for saved in (run_dir / "final", run_dir / "checkpoints" / "step-000001" / "model"):
         assert "quantization_config" not in json.loads((saved / "config.json").read_text()), saved
+    # a checkpoint's model/ starts a new run with other settings (what a refused resume advises)
+    summary, _, again = run(tmp_path, run_dir / "checkpoints" / "step-000001" / "model", total_steps=1, lr=1e-4)
+    assert summary["steps"] == 1 and again.name == "gspo-step-000001-model-s0"
 
 
 def test_answer_format_sets_the_chat_instruction_and_the_verifier(tmp_path, random_chat_model_dir, jsonl_dataset,

@@ -56,6 +56,29 @@ def test_a_resume_refuses_every_change_to_what_the_run_computes_and_allows_the_r
                 checkpoint.compare_configs(saved, changed)
 
 
+def test_a_refused_resume_names_how_to_train_from_the_checkpoints_weights(tmp_path):
+    """Changing --lr (say) cannot resume a run, but its weights can start a new one: the refusal names --model and
+    the checkpoint's model/ folder (a --fsdp checkpoint's weights are shards: --export first; a LoRA adapter, which
+    --model does not take, gets no such advice). test_train's gguf-folder test trains from a checkpoint's model/."""
+    saved = dataclasses.asdict(train.Args())
+    changed = {**saved, "lr": 1e-4}
+    whole, sharded, adapter = (tmp_path / name for name in ("whole", "sharded", "adapter"))
+    for folder, files in ((whole, ["model/config.json", "model/model.safetensors"]),
+                          (sharded, ["model/config.json", "shards/.metadata"]),
+                          (adapter, ["model/adapter_config.json", "model/adapter_model.safetensors"])):
+        for f in files:
+            (folder / f).parent.mkdir(parents=True, exist_ok=True)
+            (folder / f).write_text("{}")
+    advice = {}
+    for folder in (whole, sharded, adapter):
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            checkpoint.compare_configs(saved, changed, folder)
+        advice[folder.name] = str(refused.value)
+    assert f"replace --resume with --model {whole / 'model'} (a new run" in advice["whole"]
+    assert f"--export {sharded} OUT`) and replace --resume with --model OUT" in advice["sharded"]
+    assert "--model" not in advice["adapter"] and "differs in lr: 5e-05 -> 0.0001" in advice["adapter"]
+
+
 @pytest.mark.parametrize("saved_by,resumed_by", [(1, 2), (2, 1), (2, 4)])
 def test_a_checkpoint_resumes_at_its_own_number_of_processes_unless_it_is_sharded(tmp_path, saved_by, resumed_by):
     state = {"rng_ranks": [{}] * saved_by}
