@@ -34,6 +34,9 @@ from base.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFini
 # ---------------------------------------------------------------------------------------------------------------
 
 
+SPAN_FREE_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")  # the rest decay over every optimizer step
+
+
 def preflight(args, run_dir: Path, world_size: int = 1):
     """Everything that can be checked before a byte is loaded or written: the flags, the output folder, the run
     folder (a finished run is never replaced) and the checkpoint --resume names. Returns (checkpoint path, its state)
@@ -48,6 +51,10 @@ def preflight(args, run_dir: Path, world_size: int = 1):
     checkpoint.check_world_size(state, world_size, resume_from)
     for change in checkpoint.compare_configs(state["config"], asdict(args), resume_from):
         print(f"resume: allowed change {change}")
+    before = state["config"].get("total_steps")
+    if before != args.total_steps and args.lr_scheduler not in SPAN_FREE_SCHEDULES:  # e.g. a finished run trained on
+        print(f"resume: --lr-scheduler {args.lr_scheduler} spans --total-steps: from step {state['step'] + 1} the "
+              f"learning rate follows a {args.total_steps}-step schedule (the steps before followed a {before}-step one)")
     return resume_from, state
 
 

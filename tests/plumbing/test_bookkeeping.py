@@ -254,3 +254,45 @@ def test_out_of_memory_is_blamed_on_the_optimizer_step_only_while_one_runs(tmp_p
             scheduler.step()
             raise oom  # then the next forward runs out
     assert not isinstance(raised.value, OptimizerOutOfMemory) and "out of memory in step 2" in str(raised.value)
+
+
+def test_the_schedules_a_resume_with_more_steps_changes_are_those_that_span_the_total():
+    """lifecycle.SPAN_FREE_SCHEDULES: the schedules whose learning rate at a step does not depend on the number of
+    training steps, so that extending a run on resume leaves them as they were; every other one the loop can drive
+    does depend on it, and a resume that changes --total-steps says so (the next test)."""
+    from transformers import get_scheduler
+
+    from plumbing import flags
+
+    def lrs(name, total):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = get_scheduler(name, opt, num_warmup_steps=2, num_training_steps=total)
+        out = []
+        for _ in range(8):
+            opt.step()
+            scheduler.step()
+            out.append(scheduler.get_last_lr()[0])
+        return out
+
+    names = flags.working_schedulers()
+    assert set(lifecycle.SPAN_FREE_SCHEDULES) <= set(names)
+    assert {n for n in names if lrs(n, 10) == lrs(n, 40)} == set(lifecycle.SPAN_FREE_SCHEDULES)
+
+
+@pytest.mark.slow
+def test_a_resume_with_more_steps_under_a_decaying_schedule_says_so(tmp_path, tiny_policy_dir, capsys):
+    """A finished cosine run of 1 step, continued from its checkpoint to 2: its schedule now spans 2 steps, and the
+    resume says so (under the default constant schedule nothing changes, and nothing is said)."""
+    from conftest import SMALL
+
+    for schedule, said in (("cosine", True), ("constant_with_warmup", False)):
+        argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / schedule), "--save-every", "1",
+                "--lr-scheduler", schedule, "--save-model", "False"] + SMALL  # (SMALL: no warmup)
+        train.main(argv + ["--total-steps", "1"])
+        capsys.readouterr()
+        ckpt = checkpoint.all_checkpoints(tmp_path / schedule / "gspo-s0" / "checkpoints")[-1]
+        train.main(argv + ["--total-steps", "2", "--resume", str(ckpt), "--run-name", "more"])
+        out = capsys.readouterr().out
+        note = (f"resume: --lr-scheduler {schedule} spans --total-steps: from step 2 the learning rate follows a "
+                "2-step schedule (the steps before followed a 1-step one)")
+        assert (note in out) == said, out
