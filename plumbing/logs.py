@@ -137,6 +137,10 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
             "pass a larger set of your own with --eval-dataset FILE"  # (not to one who did)
         lines.append(f"warning: only {len(test_set)} held-out problem{'s' * (len(test_set) != 1)}: held-out accuracy "
                      f"moves in steps of 1/{len(test_set)}; {advice}")
+    training_prompts = {ex.prompt for ex in train_set}  # e.g. --eval-dataset naming the --dataset file itself
+    if args.total_steps and (both := sum(ex.prompt in training_prompts for ex in test_set)):
+        lines.append(f"warning: {both} of the {len(test_set)} held-out problems are training problems too (the same "
+                     "prompt): their accuracy is not held out; evaluate on problems the training set lacks")
     trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
                if args.lora_rank else "every weight (full fine-tune)")
     trained = trained if args.total_steps else "nothing: evaluation only (--total-steps 0)"

@@ -123,6 +123,13 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
     assert out.count("warning: only 5 held-out problems") == 1 and "mine.parquet holds no more" in out
     assert "pass a larger set of your own" not in out  # (issue 50.3: not advice to do what was done)
     assert "(5 problems)" in out and round(summary["accuracy_after"] * 5, 9) % 1 == 0  # scored on those 5
+    assert "are training problems too" not in out
+    # a held-out file that repeats training problems: said, counted (a file naming --dataset itself: every one)
+    (tmp_path / "overlap.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows[:2] + eval_rows[:1]))
+    train.train(dataclasses.replace(args, num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1,
+                                    output_dir=str(tmp_path / "runs"), run_name="overlap", save_model=False,
+                                    eval_dataset=str(tmp_path / "overlap.jsonl")))
+    assert "warning: 2 of the 3 held-out problems are training problems too" in capsys.readouterr().out
 
 
 def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
