@@ -372,8 +372,10 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapter: 
     if adapter is not None:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    if not set(targets) & present:
-        raise ModelError(f"--lora-target-modules {' '.join(targets)}: none is a module of this model; its linear "
+    missing = [t for t in targets if t not in present]  # the default list names every projection some model has;
+    if not set(targets) & present or (missing and tuple(targets) != LORA_TARGETS):  # a name given is meant (a typo)
+        which = "none is" if not set(targets) & present else f"{' '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
+        raise ModelError(f"--lora-target-modules {' '.join(targets)}: {which} a module of this model; its linear "
                          f"layers include {', '.join(sorted(n for n in present if n.endswith('proj'))[:8]) or 'none'}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(set(targets) & present),
                         bias="none", task_type="CAUSAL_LM")

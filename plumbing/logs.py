@@ -141,7 +141,11 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
     if args.total_steps and (both := sum(ex.prompt in training_prompts for ex in test_set)):
         lines.append(f"warning: {both} of the {len(test_set)} held-out problems are training problems too (the same "
                      "prompt): their accuracy is not held out; evaluate on problems the training set lacks")
-    trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(args.lora_target_modules)}"
+    adapted = getattr(policy, "peft_config", {}).get("default")  # the modules of --lora-target-modules the model has
+    named = list(args.lora_target_modules)
+    adapted = sorted(adapted.target_modules, key=lambda m: (named.index(m) if m in named else len(named), m)) \
+        if adapted else named
+    trained = (f"LoRA r={args.lora_rank} alpha={args.lora_alpha:g} on {', '.join(adapted)}"
                if args.lora_rank else "every weight (full fine-tune)")
     trained = trained if args.total_steps else "nothing: evaluation only (--total-steps 0)"
     lines.append(f"model: {args.model}; trains {trained}"

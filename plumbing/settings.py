@@ -62,7 +62,8 @@ class LoRA:
     lora_alpha: float | None = None
     """LoRA scale α: each adapted layer adds (α / r) B A x"""
     lora_target_modules: tuple[str, ...] = LORA_TARGETS
-    """the projections that get adapters (by module name)"""
+    """the projections that get adapters (by module name); the default's names a model lacks are skipped (the
+    start-up line lists those adapted), a name you give must be a module of the model"""
     merge_lora: bool = False
     """with --lora-rank: also save the base with the adapter merged in (final/merged/, a plain model --model loads)"""
 

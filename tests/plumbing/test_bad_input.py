@@ -88,6 +88,7 @@ FLAGS = [
     (["--lora-rank", "4", "--lora-target-modules"], "--lora-target-modules must name at least one module"),
     (["--merge-lora"], "--merge-lora merges a LoRA adapter into the base: it needs --lora-rank > 0"),
     (["--lora-rank", "4", "--lora-target-modules", "c_attn"], "--lora-target-modules c_attn: none is a module"),
+    (["--lora-rank", "4", "--lora-target-modules", "q_proj", "v_prj"], "v_prj is not a module of this model"),  # a typo
     (["--wandb-mode", "online"], "wandb online needs a login"),
     (["--total-steps", "-5"], "--total-steps must be >= 0"),
     (["--total-steps", "0", "--resume", "auto"], "--total-steps 0 evaluates --model without training"),

@@ -296,3 +296,19 @@ def test_a_resume_with_more_steps_under_a_decaying_schedule_says_so(tmp_path, ti
         note = (f"resume: --lr-scheduler {schedule} spans --total-steps: from step 2 the learning rate follows a "
                 "2-step schedule (the steps before followed a 1-step one)")
         assert (note in out) == said, out
+
+
+def test_the_start_up_line_names_the_modules_lora_adapts(tmp_path):
+    """The default --lora-target-modules names every projection of a Llama or Qwen; a model with fused projections
+    (Phi-3: qkv_proj, gate_up_proj) has two of them, and the start-up line names those two, not the seven."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    import model as models
+
+    phi3 = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
+    args = runs.resolve(train.Args(lora_rank=4, wandb_mode="disabled", total_steps=1))[0]
+    policy = models.add_lora(phi3, 4, 8.0, args.lora_target_modules)
+    examples = [task.Example("1 mod 1 =", "0")]
+    lines = logs.startup_lines(args, tmp_path, examples, examples, policy, SINGLE)
+    assert "model: embedded; trains LoRA r=4 alpha=8 on o_proj, down_proj" in lines, lines
