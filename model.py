@@ -374,7 +374,8 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapter: 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in present]  # the default list names every projection some model has;
     if not set(targets) & present or (missing and tuple(targets) != LORA_TARGETS):  # a name given is meant (a typo)
-        which = "none is" if not set(targets) & present else f"{' '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
+        which = "none is" if not set(targets) & present else \
+            f"{' '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
         raise ModelError(f"--lora-target-modules {' '.join(targets)}: {which} a module of this model; its linear "
                          f"layers include {', '.join(sorted(n for n in present if n.endswith('proj'))[:8]) or 'none'}")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(set(targets) & present),

@@ -256,7 +256,8 @@ def new_run_from(path: Path | None) -> str:
         return ""
     fresh = "(a new run: AdamW's moments and the learning-rate schedule start afresh)"
     if (path / "model" / "config.json").is_file() and any((path / "model").glob("*.safetensors")):
-        return f"; to train from its weights with these settings, replace --resume with --model {path / 'model'} {fresh}"
+        return f"; to train from its weights with these settings, replace --resume with --model {path / 'model'} " \
+            + fresh
     if (path / "shards" / ".metadata").is_file():
         return (f"; to train from its weights with these settings, write them out (`python -m plumbing.checkpoint "
                 f"--export {path} OUT`) and replace --resume with --model OUT {fresh}")

@@ -52,9 +52,10 @@ def preflight(args, run_dir: Path, world_size: int = 1):
     for change in checkpoint.compare_configs(state["config"], asdict(args), resume_from):
         print(f"resume: allowed change {change}")
     before = state["config"].get("total_steps")
-    if before != args.total_steps and args.lr_scheduler not in SPAN_FREE_SCHEDULES:  # e.g. a finished run trained on
+    if before != args.total_steps and args.lr_scheduler not in SPAN_FREE_SCHEDULES:  # e.g. a finished run extended
         print(f"resume: --lr-scheduler {args.lr_scheduler} spans --total-steps: from step {state['step'] + 1} the "
-              f"learning rate follows a {args.total_steps}-step schedule (the steps before followed a {before}-step one)")
+              f"learning rate follows a {args.total_steps}-step schedule (the steps before followed a {before}-step "
+              "one)")
     return resume_from, state
 
 

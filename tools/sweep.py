@@ -266,12 +266,16 @@ def axes_label(axes: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(axes.items()))
 
 
+def paper_order(algo: str) -> tuple[int, str]:
+    """Sort key of an objective: the papers' order (ALGOS, the README's), any other name after them."""
+    return ALGOS.index(algo) if algo in ALGOS else len(ALGOS), algo
+
+
 def groups_of(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """Runs grouped by (algo, setting of every swept axis): the seeds of one grid cell form one group; the objectives
     in the papers' order (ALGOS, the README's), so every table and legend lists them alike."""
     out: dict[tuple[str, str], list[dict]] = {}
-    rank = lambda algo: ALGOS.index(algo) if algo in ALGOS else len(ALGOS)  # noqa: E731
-    for r in sorted(runs, key=lambda r: (rank(r["config"]["algo"]), r["config"]["algo"], axes_label(r["axes"]))):
+    for r in sorted(runs, key=lambda r: (paper_order(r["config"]["algo"]), axes_label(r["axes"]))):
         out.setdefault((r["config"]["algo"], axes_label(r["axes"])), []).append(r)
     return out
 
@@ -346,7 +350,7 @@ def detail_tables(runs: list[dict]) -> list[str]:
            "tokens otherwise; the diagonal is what the group itself clipped).", "",
            "| rule \\ batches of | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     shadow = sorted({k.removeprefix("clip/shadow_") for r in runs for row in r["rows"] for k in row
-                     if k.startswith("clip/shadow_")}, key=lambda a: (ALGOS.index(a) if a in ALGOS else len(ALGOS), a))
+                     if k.startswith("clip/shadow_")}, key=paper_order)
     for preset in shadow:
         out.append(f"| {preset} | " + " | ".join(mean_of(rs, f"clip/shadow_{preset}") for rs in groups.values()) + " |")
     out += ["", "Spread of the sequence log-ratio by length quartile (RMS over steps and seeds; the figure's points): "
