@@ -18,6 +18,7 @@ training run, varies more.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def answers(where: str, step: int | None, flag: str) -> tuple[int, dict[int, dic
 def main(argv: list[str] | None = None) -> None:
     from plumbing import flags
 
+    given = sys.argv[1:] if argv is None else list(argv)
+    if len(given) >= 2 and not given[0].startswith("-"):  # `tools.compare A B`: the runs are named by flag
+        print(f"error: name the two runs as flags: python -m tools.compare --a {given[0]} --b {given[1]}",
+              file=sys.stderr)
+        sys.exit(2)
     args = flags.parse(CompareArgs, __doc__, argv, program="python -m tools.compare")
     with one_line_errors():  # a CompareError: one `error: ...` line, exit 2
         compare(args)

@@ -42,6 +42,7 @@ def test_the_effect_is_the_paired_difference_with_its_t_interval(tmp_path, capsy
     ("missing step", "--step-b 7"),
     ("no file", "no eval_completions.jsonl there"),
     ("not json", "is not an eval_completions.jsonl"),
+    ("positional", "name the two runs as flags: python -m tools.compare --a "),  # `tools.compare A B`
 ])
 def test_what_cannot_be_paired_is_one_line(tmp_path, capsys, case, message):
     write(tmp_path / "a", {0: [1.0, 0.0, 1.0]})
@@ -53,6 +54,8 @@ def test_what_cannot_be_paired_is_one_line(tmp_path, capsys, case, message):
     elif case == "missing step":
         write(tmp_path / "b", {0: [1.0, 0.0, 1.0]})
         argv += ["--step-b", "7"]
+    elif case == "positional":
+        argv = [str(tmp_path / "a"), str(tmp_path / "b")]
     elif case == "not json":
         (tmp_path / "b").mkdir()
         (tmp_path / "b" / "eval_completions.jsonl").write_text("{not json\n")
