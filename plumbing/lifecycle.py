@@ -72,6 +72,14 @@ def finished_summary(run_dir: Path) -> dict | None:
         return None if not (run_dir / "summary.json").exists() else {}
 
 
+def read_config(run_dir: Path) -> dict:
+    """A run's config.json, or {} where it is missing or unreadable."""
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None:
     """Refuse what would replace a finished run or silently mix two runs; each message names a way out that works.
 
@@ -90,7 +98,10 @@ def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None
         ways = []
         ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
         if ckpts:
-            ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it exactly")
+            schedule = read_config(run_dir).get("lr_scheduler")  # one that spans --total-steps spans the new N
+            how = "exactly" if schedule in SPAN_FREE_SCHEDULES + (None,) else \
+                f"(its --lr-scheduler {schedule} then decays over the N steps)"
+            ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it {how}")
         if (run_dir / "final" / "config.json").is_file():
             ways.append(f"--model {run_dir / 'final'} --run-name NEW_NAME starts a new run from its final policy")
         further = ("; to train further, in a new folder: " + ", or ".join(ways)) if ways else ""

@@ -282,7 +282,8 @@ def test_the_schedules_a_resume_with_more_steps_changes_are_those_that_span_the_
 @pytest.mark.slow
 def test_a_resume_with_more_steps_under_a_decaying_schedule_says_so(tmp_path, tiny_policy_dir, capsys):
     """A finished cosine run of 1 step, continued from its checkpoint to 2: its schedule now spans 2 steps, and the
-    resume says so (under the default constant schedule nothing changes, and nothing is said)."""
+    resume says so, as the finished run's refusal did (under the default constant schedule nothing changes: the
+    refusal says "exactly", the resume nothing)."""
     from conftest import SMALL
 
     for schedule, said in (("cosine", True), ("constant_with_warmup", False)):
@@ -291,6 +292,10 @@ def test_a_resume_with_more_steps_under_a_decaying_schedule_says_so(tmp_path, ti
         train.main(argv + ["--total-steps", "1"])
         capsys.readouterr()
         ckpt = checkpoint.all_checkpoints(tmp_path / schedule / "gspo-s0" / "checkpoints")[-1]
+        with pytest.raises(SystemExit):  # the finished run's refusal names the resume, and what it does to the schedule
+            train.main(argv + ["--total-steps", "1"])
+        how = "(its --lr-scheduler cosine then decays over the N steps)" if said else "exactly"
+        assert f"--total-steps N continues it {how}" in capsys.readouterr().err
         train.main(argv + ["--total-steps", "2", "--resume", str(ckpt), "--run-name", "more"])
         out = capsys.readouterr().out
         note = (f"resume: --lr-scheduler {schedule} spans --total-steps: from step 2 the learning rate follows a "
