@@ -477,6 +477,8 @@ def train(args: Args) -> dict:
             watch.check(step, logged)
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped
+        if run.first_step > args.total_steps:  # resumed from its last step (a signal came before the end): its accuracy
+            logged, _ = evaluate(run.policy, run.tokenizer, run.test_set, args, args.total_steps, world)
         return runs.finish_run(run, logged)
     except BaseException as e:
         if run is not None:  # (start-up closes its own)

@@ -48,6 +48,9 @@ def preflight(args, run_dir: Path, world_size: int = 1):
     if resume_from is None:
         return None, None
     state = checkpoint.load_state(resume_from)
+    if state["step"] > args.total_steps:  # nothing would train, and the summary would report the accuracy before it
+        raise ConfigError(f"--total-steps {args.total_steps}: the checkpoint {resume_from} is at step {state['step']}, "
+                          f"past it; give --total-steps {state['step']} to finish that run, or more to train further")
     checkpoint.check_world_size(state, world_size, resume_from)
     for change in checkpoint.compare_configs(state["config"], asdict(args), resume_from):
         print(f"resume: allowed change {change}")

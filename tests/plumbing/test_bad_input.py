@@ -473,6 +473,33 @@ def test_both_ways_out_of_a_finished_run_work_and_keep_it(own_finished):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_past_total_steps_is_refused_and_one_at_it_finishes_with_its_own_accuracy(own_finished,
+                                                                                              capsys, monkeypatch):
+    """A resume whose --total-steps is below the checkpoint's step trained nothing and wrote a summary with the
+    accuracy before training as the accuracy after: refused. At the checkpoint's step (a run stopped by a signal
+    during its last step, resumed with the same flags) it trains nothing and finishes with the trained policy's
+    accuracy: the finished run's own, which evaluated that policy greedily at the same step."""
+    argv, run = own_finished
+    last = checkpoint.all_checkpoints(run / "checkpoints")[-1]  # step 2 of 2
+    refused(argv + ["--resume", str(last), "--run-name", "shorter", "--total-steps", "1"], capsys, run.parent,
+            f"--total-steps 1: the checkpoint {last} is at step 2, past it; give --total-steps 2 to finish that run")
+    evaluated, real = [], train.evaluate
+
+    def recording(*a, **kw):
+        out = real(*a, **kw)
+        evaluated.append((a[4], out[0]))  # (step, metrics)
+        return out
+
+    monkeypatch.setattr(train, "evaluate", recording)
+    train.main(argv + ["--resume", str(last), "--run-name", "at-its-end"])  # --total-steps 2, as it was
+    done, own = (json.loads((folder / "summary.json").read_text()) for folder in (run.parent / "at-its-end", run))
+    assert [step for step, _ in evaluated] == [2]  # the trained policy, once (before training: from the checkpoint)
+    assert done["accuracy_after"] == evaluated[0][1]["eval/accuracy"] == own["accuracy_after"]
+    assert done["accuracy_before"] == own["accuracy_before"]
+    assert done["steps"] == 2 and (run.parent / "at-its-end" / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
 def test_a_run_without_checkpoint_is_refused_with_advice_that_works(tmp_path, capsys, tiny_policy_dir, monkeypatch):
     argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "3"] + SMALL
     real = train.rl_step
