@@ -235,7 +235,7 @@ def load_jsonl(path: str | Path, prompt_field: str = "", answer_field: str = "")
     if not path.is_file():
         raise TaskError(f"dataset file {path} does not exist; {ROWS_HINT}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is dropped
     except UnicodeDecodeError as e:
         raise TaskError(f"dataset file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 JSONL")
     rows: list[tuple[str, object]] = []  # (where, row)

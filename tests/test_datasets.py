@@ -59,6 +59,18 @@ def test_json_array_file_and_bad_rows_named(tmp_path):
         task.load_dataset(str(tmp_path / "b.parquet"))
 
 
+def test_a_file_saved_with_a_byte_order_mark_and_windows_line_ends_reads_as_any_other(tmp_path):
+    """Notepad and Excel save UTF-8 with a byte-order mark, and CRLF line ends: the JSONL and JSON readers refused the
+    first line as invalid JSON."""
+    rows = [{"prompt": f"{n} mod 3 =", "answer": str(n % 3)} for n in range(10, 20)]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + "\r\n".join(json.dumps(r) for r in rows) + "\r\n").encode())
+    (tmp_path / "bom.json").write_bytes(("\ufeff" + json.dumps(rows)).encode())
+    for name in ("bom.jsonl", "bom.json"):
+        assert task.load_dataset(str(tmp_path / name)) == task.load_dataset(str(plain)), name
+
+
 @pytest.mark.parametrize("answer,reference", [
     ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"), ("#### 1,234", "1,234"), ("42", "42"),
     ("so $\\boxed{\\frac{\\sqrt{3}}{2}}$", "\\frac{\\sqrt{3}}{2}"), ("\\boxed{}", "\\boxed{}"),
