@@ -220,7 +220,10 @@ def to_example(row, where: str, prompt_field: str, answer_field: str) -> Example
         raise TaskError(f"{where}: a row needs both \"{prompt_field}\" and \"{answer_field}\" fields")
     prompt, answer = row[prompt_field], row[answer_field]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise TaskError(f"{where}: \"{prompt_field}\" must be non-empty text (got {json.dumps(prompt)[:40]})")
+        chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)  # TRL's
+        raise TaskError(f"{where}: \"{prompt_field}\" must be non-empty text (got {json.dumps(prompt)[:40]})"
+                        + ("; a list of chat messages is not read: give the question as text, which the model's chat "
+                           "template wraps as a user turn" if chat else ""))
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise TaskError(f"{where}: \"{answer_field}\" must be non-empty text or a number "
                         f"(got {json.dumps(answer, default=str)[:40]})")

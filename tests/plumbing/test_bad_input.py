@@ -298,6 +298,8 @@ DATASETS = [
     ("empty_answer.jsonl", GOOD_ROW + '{"prompt": "8 mod 3 =", "answer": "  "}\n', '"answer" must be'),
     ("null_prompt.jsonl", GOOD_ROW + '{"prompt": null, "answer": "2"}\n', '"prompt" must be non-empty text'),
     ("number_prompt.jsonl", GOOD_ROW + '{"prompt": 8, "answer": "2"}\n', '"prompt" must be non-empty text'),
+    ("chat_prompt.jsonl", GOOD_ROW + '{"prompt": [{"role": "user", "content": "8 mod 3 ="}], "answer": "2"}\n',
+     "a list of chat messages is not read: give the question as text"),  # TRL's conversational format
     ("empty.jsonl", "\n\n", "has 0 row(s); it needs at least 1"),
     ("one_row.jsonl", GOOD_ROW, "has 1 row(s); it needs at least 2 (some are held out for evaluation), or pass your "
      "own held-out set with --eval-dataset"),
