@@ -582,8 +582,9 @@ def main(argv: list[str] | None = None) -> None:
         pack(runs_dir, out / "data")
         runs = load_runs(out / "data")
         if not runs:
-            raise SweepError(f"no finished runs under {runs_dir} nor packed in {out / 'data'}; run the sweep first "
-                             "(without --report-only)")
+            raise SweepError(f"no finished runs under {runs_dir} nor packed in {out / 'data'}; " + (
+                "run the sweep first (without --report-only)" if args.report_only else
+                "every run of the grid failed or was skipped: the lines above name each one's console.log"))
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -154,6 +154,19 @@ def test_report_only_without_runs_or_data_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_sweep_whose_every_run_failed_says_so(tmp_path, capsys):
+    """Its one run refused by train.py (exit 2): the sweep's last line says every run failed, not "run the sweep
+    first", which it just did."""
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--algos", "gspo", "--seeds", "0", "--set", "lr=-1", "--total-steps", "1", "--output-dir",
+                    str(tmp_path), "--wandb-mode", "disabled"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and "gspo-lr-1-s0: FAILED (exit 2" in captured.out
+    assert captured.err.strip().endswith("every run of the grid failed or was skipped: the lines above name each "
+                                         "one's console.log")
+
+
+@pytest.mark.slow
 def test_the_committed_sweep_report_is_what_its_data_makes(tmp_path):
     """docs/sweep/ is `python -m tools.sweep --report-only --report-dir docs/sweep` of docs/sweep/data: the table, and
     every figure with as many points as the runs give."""
