@@ -179,16 +179,19 @@ def run_grid(runs: list[dict], name: str, train_args: list[str], runs_dir: Path,
     """Run every grid point not yet finished, `parallel` at a time; print each one's outcome and the wall time."""
     warm_starts_first(runs, train_args)
     threads = max(1, (os.cpu_count() or 1) // parallel)
-    start = time.time()
+    start, done = time.time(), 0
     with ThreadPoolExecutor(parallel) as pool:
         for run, seconds, rc in pool.map(lambda f: launch(f, name, train_args, runs_dir, threads), runs):
             finished = (runs_dir / run / "summary.json").is_file()  # a run stopped by a signal exits 0 unfinished
+            done += finished
             status = ("skipped (finished)" if rc == -1 else
                       f"skipped (stopped with an error before; see {runs_dir / run / 'console.log'}, delete the "
                       "folder to run it again)" if rc == -2 else f"done in {seconds / 60:.1f} min" if finished
                       else f"FAILED (exit {rc}; see {runs_dir / run / 'console.log'})" if rc else "stopped early")
             print(f"{run}: {status}", flush=True)
-    print(f"{name}: {len(runs)} runs, {(time.time() - start) / 60:.1f} min wall", flush=True)
+    print(f"{name}: {len(runs)} runs, {done} finished, {len(runs) - done} not (failed, skipped after an error or "
+          f"stopped); {(time.time() - start) / 60:.1f} min wall" if done < len(runs) else
+          f"{name}: {len(runs)} runs, all finished; {(time.time() - start) / 60:.1f} min wall", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ def test_micro_sweep_report_and_resume(tmp_path, tiny_policy_dir):
     points = {(c["algo"], c["lr"], c["num_minibatches"]) for c in configs.values()}
     assert points == {(a, lr, n) for a in ("gspo", "grpo") for lr in (1e-3, 5e-4) for n in (2, 4)}
     assert "gspo-lr1e-3-num_minibatches2-s0: done" in out and "grpo-lr5e-4-num_minibatches2-s0: done" in out
+    assert "micro: 8 runs, all finished; " in out
     report = tmp_path / "micro" / "report"
     for name in ("summary.md", "summary.csv", "accuracy.png", "length_buckets.png", "clip.png", "lengths.png"):
         assert (report / name).is_file() and (report / name).stat().st_size > 0, name
@@ -162,6 +163,7 @@ def test_a_sweep_whose_every_run_failed_says_so(tmp_path, capsys):
                     str(tmp_path), "--wandb-mode", "disabled"])
     captured = capsys.readouterr()
     assert exc.value.code == 2 and "gspo-lr-1-s0: FAILED (exit 2" in captured.out
+    assert "1 runs, 0 finished, 1 not (failed, skipped after an error or stopped)" in captured.out
     assert captured.err.strip().endswith("every run of the grid failed or was skipped: the lines above name each "
                                          "one's console.log")
 
