@@ -643,6 +643,9 @@ def check(a: MemoryArgs) -> None:
     for name in ("num_prompts", "num_generations", "num_minibatches", "max_new_tokens"):
         if getattr(a, name) < 1:
             raise EstimateError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    if a.num_generations < 2:  # as train.py: a group of one has no baseline
+        raise EstimateError(f"--num-generations {a.num_generations}: must be at least 2 (a group of one has no "
+                           "baseline; train.py refuses it)")
     for name in ("prompt_tokens", "lora_rank", "micro_batch_size"):
         if getattr(a, name) < 0:
             raise EstimateError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be 0 or more")

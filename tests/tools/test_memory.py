@@ -180,7 +180,8 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
              (["--model", str(tmp_path / "empty")], "has no config.json"),
              (["--model", str(tmp_path / "odd")], "has no num_hidden_layers"),
              (["--model", str(tmp_path / "model"), "--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),
-             (["--model", str(tmp_path / "model"), "--num-minibatches", "3"], "does not divide")]
+             (["--model", str(tmp_path / "model"), "--num-minibatches", "3"], "does not divide"),
+             (["--model", str(tmp_path / "model"), "--num-generations", "1"], "must be at least 2")]  # train.py's rule
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
     cases.append((["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model"))
     for argv, message in cases:
