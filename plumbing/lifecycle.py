@@ -105,8 +105,10 @@ def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None
             how = "exactly" if schedule in SPAN_FREE_SCHEDULES + (None,) else \
                 f"(its --lr-scheduler {schedule} then decays over the N steps)"
             ways.append(f"--resume {ckpts[-1]} --run-name NEW_NAME --total-steps N continues it {how}")
-        if (run_dir / "final" / "config.json").is_file():
-            ways.append(f"--model {run_dir / 'final'} --run-name NEW_NAME starts a new run from its final policy")
+        final = next((f for f in (run_dir / "final", run_dir / "final" / "merged") if (f / "config.json").is_file()),
+                     None)  # a whole model: a full fine-tune's final/, a LoRA run's merged/ (its adapter is not one)
+        if final is not None:
+            ways.append(f"--model {final} --run-name NEW_NAME starts a new run from its final policy")
         further = ("; to train further, in a new folder: " + ", or ".join(ways)) if ways else ""
         raise ConfigError(f"{run_dir} is a finished run ({result}); its results are kept. --run-name NEW_NAME starts "
                           f"a fresh run beside it{further}; --overwrite replaces it")

@@ -317,3 +317,22 @@ def test_the_start_up_line_names_the_modules_lora_adapts(tmp_path):
     examples = [task.Example("1 mod 1 =", "0")]
     lines = logs.startup_lines(args, tmp_path, examples, examples, policy, SINGLE)
     assert "model: embedded; trains LoRA r=4 alpha=8 on o_proj, down_proj" in lines, lines
+
+
+def test_a_finished_lora_runs_refusal_offers_its_merged_model_not_its_adapter(tmp_path):
+    """--model takes a whole model: a LoRA run's final/ is an adapter (--model refuses it), its final/merged/ (with
+    --merge-lora) a whole model. The finished run's refusal offers the one that loads."""
+    from base.errors import ConfigError
+
+    for merged in (True, False):
+        run = tmp_path / f"lora-merged-{merged}"
+        (run / "final").mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"steps": 1, "accuracy_before": 0.5, "accuracy_after": 0.5}))
+        (run / "final" / "adapter_config.json").write_text("{}")
+        if merged:
+            (run / "final" / "merged").mkdir()
+            (run / "final" / "merged" / "config.json").write_text("{}")
+        with pytest.raises(ConfigError) as refused:
+            lifecycle.check_run_folder(run, None, False)
+        offered = f"--model {run / 'final' / 'merged'} --run-name NEW_NAME starts a new run from its final policy"
+        assert (offered in str(refused.value)) == merged and (f"--model {run / 'final'} " not in str(refused.value))
