@@ -29,6 +29,9 @@ class Logger:
                                          tags=list(args.wandb_tags), config=asdict(args), dir=str(run_dir),
                                          mode=network.wandb_mode(args.wandb_mode), id=wandb_id,
                                          resume="allow" if wandb_id else None)
+        # the mode wandb runs in: online can fall back to offline (no answer, a refused login), said in a warning
+        self.mode = network.wandb_mode(args.wandb_mode) if self.run is None else \
+            "offline" if self.run.offline else "online"
 
     def log(self, metrics: dict, step: int) -> None:
         if self.file is None:
@@ -111,9 +114,10 @@ def precision(policy) -> str:
 
 
 def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, world: World,
-                  held_out: int = 0) -> list[str]:
-    """Where the run's files go, what it trains on and with what: printed once before the first evaluation."""
-    mode = network.wandb_mode(args.wandb_mode)
+                  held_out: int = 0, wandb_mode: str | None = None) -> list[str]:
+    """Where the run's files go, what it trains on and with what: printed once before the first evaluation.
+    wandb_mode: the mode the run's Logger runs wandb in (default: the one asked for)."""
+    mode = wandb_mode or network.wandb_mode(args.wandb_mode)
     wandb = {"offline": f"wandb offline (upload later: wandb sync {run_dir}/wandb/offline-run-*)",
              "online": "wandb online", "disabled": "wandb disabled"}[mode]
     threads = f", threads {torch.get_num_threads()}" if policy.device.type == "cpu" else ""

@@ -332,7 +332,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                       "same weights and AdamW state, resharded; new sampling streams, so not the uninterrupted run")
         logger = folder.logger = logs.Logger(args, run_dir, state["wandb_id"] if state else None, active=world.main)
         print(f"{args.algo}: {cfg}")
-        print("\n".join(logs.startup_lines(args, run_dir, train_set, test_set, policy, world, held_out)))
+        print("\n".join(logs.startup_lines(args, run_dir, train_set, test_set, policy, world, held_out, logger.mode)))
         policy.train()
         control = None if args.entropy_target is None else losses.AdaptiveEntropy(cfg.entropy_coef,
                                                                                   args.entropy_target)

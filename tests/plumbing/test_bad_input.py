@@ -402,6 +402,7 @@ def test_wrong_wandb_key_falls_back_offline_within_seconds(tmp_path, capsys, tin
                 "--wandb-mode", "online"] + SMALL[:-2])
     out = capsys.readouterr().out
     assert "warning: wandb server https://wandb.invalid did not answer within 3 s; logging offline" in out
+    assert "; wandb offline (upload later: wandb sync " in out and "wandb online" not in out  # the run folder line
     assert (tmp_path / "gspo-s0" / "summary.json").is_file()
     assert time.time() - start < 60
 
