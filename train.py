@@ -477,7 +477,7 @@ def train(args: Args) -> dict:
             watch.check(step, logged)
             if stopped := run.checkpoint_or_stop(step, stop, resume_hint):
                 return stopped
-        if run.first_step > args.total_steps:  # resumed from its last step (a signal came before the end): its accuracy
+        if state and run.first_step > args.total_steps:  # resumed from its last step (a signal came before the end)
             logged, _ = evaluate(run.policy, run.tokenizer, run.test_set, args, args.total_steps, world)
         return runs.finish_run(run, logged)
     except BaseException as e:
