@@ -287,6 +287,9 @@ def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp
     scores as that run's last evaluation did."""
     _, trained, trained_dir = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4)
     monkeypatch.setattr(models, "frozen_reference", lambda *a: pytest.fail("an evaluation alone loaded a reference"))
+    steps, evaluate = [], train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda policy, tok, ex, args, step, *a, **kw: steps.append(step) or
+                        evaluate(policy, tok, ex, args, step, *a, **kw))
     capsys.readouterr()
     summary, only, folder = run(tmp_path, tiny_policy_dir, algo="grpo", eval_samples=4, total_steps=0,
                                 log_completions_every=1)
@@ -294,6 +297,8 @@ def test_total_steps_0_logs_what_a_run_logs_before_step_1_and_trains_nothing(tmp
     written = {"config.json", "metrics.jsonl", "eval_completions.jsonl"}  # no rollout, no final/ (and summary.json)
     assert listed(out) == written == {f.name for f in folder.iterdir()} - {"summary.json"}
     assert "held-out accuracy of --model: " in out and "accuracy before" not in out  # nothing comes after it
+    assert steps == [0]  # one evaluation, of the model as given
+    monkeypatch.setattr(train, "evaluate", evaluate)
     assert folder.name == "eval-s0" and only == [trained[0]] and "eval/pass@4" in only[0]
     assert summary["steps"] == 0 and summary["accuracy_before"] == summary["accuracy_after"] == only[0]["eval/accuracy"]
     assert not (folder / "final").exists()
