@@ -87,6 +87,11 @@ def merge_set_flags(argv: list[str]) -> list[str]:
     return rest + (["--set", *items] if items else [])
 
 
+def repeated(values: list):
+    """The first value named twice, or None: two grid points of one name would run in one folder."""
+    return next((v for i, v in enumerate(values) if v in values[:i]), None)
+
+
 def set_axes(items: tuple[str, ...], train_args: list[str] = ()) -> list[tuple[str, list[str]]]:
     """The swept axes of --set as (train.py field, values), each field once; a mistake is one `error:` line."""
     import dataclasses
@@ -111,7 +116,7 @@ def set_axes(items: tuple[str, ...], train_args: list[str] = ()) -> list[tuple[s
         if field in fixed:
             raise SweepError(f"{field} is both swept (--set) and fixed (--{field.replace('_', '-')}); "
                              "keep one")
-        if len(set(values.split(","))) < len(values.split(",")):  # two runs of one name: the same folder
+        if repeated(values.split(",")) is not None:
             raise SweepError(f"--set {item!r} names a value twice; give each once")
         axes.append((field, values.split(",")))
     return axes
@@ -189,9 +194,9 @@ def run_grid(runs: list[dict], name: str, train_args: list[str], runs_dir: Path,
                       "folder to run it again)" if rc == -2 else f"done in {seconds / 60:.1f} min" if finished
                       else f"FAILED (exit {rc}; see {runs_dir / run / 'console.log'})" if rc else "stopped early")
             print(f"{run}: {status}", flush=True)
-    print(f"{name}: {len(runs)} runs, {done} finished, {len(runs) - done} not (failed, skipped after an error or "
-          f"stopped); {(time.time() - start) / 60:.1f} min wall" if done < len(runs) else
-          f"{name}: {len(runs)} runs, all finished; {(time.time() - start) / 60:.1f} min wall", flush=True)
+    outcome = "all finished" if done == len(runs) else \
+        f"{done} finished, {len(runs) - done} not (failed, skipped after an error or stopped)"
+    print(f"{name}: {len(runs)} runs, {outcome}; {(time.time() - start) / 60:.1f} min wall", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -566,8 +571,8 @@ def settings(argv: list[str] | None) -> tuple[SweepArgs, list[str], list[tuple[s
     for flag, given in (("--algos", list(args.algos)), ("--seeds", list(args.seeds))):
         if not args.report_only and not given:
             raise SweepError(f"{flag} is empty: name at least one (the grid would hold no run)")
-        if len(set(given)) < len(given):  # two runs of one name: the same folder
-            raise SweepError(f"{flag} names {next(v for v in given if given.count(v) > 1)} twice; give each once")
+        if (twice := repeated(given)) is not None:
+            raise SweepError(f"{flag} names {twice} twice; give each once")
     unknown = [a for a in args.algos if a not in ALGOS]
     if unknown:
         raise SweepError(f"--algos {unknown[0]!r} is not an objective; use some of {', '.join(ALGOS)}")
