@@ -20,7 +20,8 @@ FSDP2, `fully_shard` on each decoder layer and then the root; parameters become 
 layer's weights just before it runs and frees them after; the backward reduce-scatters each layer's gradients,
 averaged over ranks as DDP's are, so the same x N scaling gives the union's gradient. Generation gathers the whole
 model once per rollout (`gathered`), not once per token, and no collective runs inside generate, so ranks that
-stop at different lengths do not wait on each other. bf16 stays autocast over the fp32 shards (as in one process).
+stop at different lengths do not wait on each other. bf16 stays autocast over the fp32 shards (as in one process),
+with each layer's linear weights gathered in bf16 (`shard`): what autocast casts them to, half the bytes.
 
 A single process (no torchrun) is the world of size 1: every method here then returns its input unchanged.
 """
@@ -154,16 +155,47 @@ SINGLE = World()
 
 def shard(model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
-    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients."""
-    from torch.distributed.fsdp import fully_shard
+    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients.
+
+    Under bf16 (model.compute_in: autocast over fp32 weights) a layer's linear weights are gathered in bf16, what
+    autocast casts them to anyway, and their gradients reduce-scattered in fp32 (FSDP's MixedPrecisionPolicy, inputs
+    left as they come); the layer's other parameters (its norms, each a unit of its own) and the root are gathered in
+    fp32 as autocast reads them. So the same numbers are computed from 2 gathered bytes per linear weight, not 4,
+    and no bf16 copy of a layer outlives its forward: the copy autocast would make and keep for the backward is the
+    gathered weight, which FSDP frees after the forward and gathers again for the backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = getattr(model, "module", model)
-    for layer in inner.get_decoder().layers:
-        fully_shard(layer)
-    fully_shard(inner)
+    for unit, dtype in _units_to_make(inner):
+        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        fully_shard(unit, mp_policy=mixed if dtype else MixedPrecisionPolicy())
     if frozen:
         inner.requires_grad_(False)
     return inner
+
+
+def _units_to_make(inner: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.dtype | None]]:
+    """shard's units, inner ones first, each with the dtype its weights are gathered in (None: as stored)."""
+    dtype = getattr(inner, "autocast_dtype", None)  # bf16 (model.compute_in), or None: fp32 throughout
+    units = []
+    for layer in inner.get_decoder().layers:
+        if dtype is not None:  # the norms: units of their own, gathered in fp32 as autocast computes with them
+            units += [(sub, None) for sub in layer.modules() if sub is not layer and not isinstance(
+                sub, torch.nn.Linear) and next(sub.parameters(recurse=False), None) is not None]
+        units.append((layer, dtype))
+    return units + [(inner, None)]
+
+
+def gathered_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the whole model as `gathered` holds it on each rank (shard's rule: a unit's weights in its
+    gathered dtype), counted from the model, sharded or not."""
+    counted, total = set(), 0
+    for unit, dtype in _units_to_make(getattr(model, "module", model)):
+        for p in unit.parameters():
+            if id(p) not in counted:
+                counted.add(id(p))
+                total += p.numel() * (dtype.itemsize if dtype else p.element_size())
+    return total
 
 
 def full_state_dict(model: torch.nn.Module) -> dict | None:

@@ -14,6 +14,7 @@ import torch
 import model as models
 import task
 from base import network
+from plumbing import ddp
 from plumbing.ddp import World
 
 
@@ -131,11 +132,14 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]
     if world.sharded is not None:
-        n = sum(p.numel() * p.element_size() for p in policy.parameters())
-        whole = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        def size(n: int) -> str:
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        n, gathered = sum(p.numel() * p.element_size() for p in policy.parameters()), ddp.gathered_bytes(policy)
         lines.append(f"sharded (FSDP2): each of the {world.size} processes holds 1/{world.size} of the weights "
-                     f"({whole} in all), their gradients and AdamW's moments; generation gathers the whole model once "
-                     f"per rollout ({whole} on each process while it samples)")
+                     f"({size(n)} in all), their gradients and AdamW's moments; generation gathers the whole model "
+                     f"once per rollout ({size(gathered)} on each process while it samples"
+                     + (f", its layers' linear weights in {str(models.compute_dtype(policy))[6:]})" if gathered < n
+                        else ")"))
     if len(test_set) < 20 and not args.eval_size:  # a small set of the user's own choosing needs no warning
         advice = f"{args.eval_dataset} holds no more" if args.eval_dataset else \
             "pass a larger set of your own with --eval-dataset FILE"  # (not to one who did)

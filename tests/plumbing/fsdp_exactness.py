@@ -95,6 +95,61 @@ def main(model_dir: str, out: str) -> None:
     ddp.teardown()
 
 
+def bf16(model_dir: str, out: str) -> None:
+    """`fsdp_exactness.py --bf16 MODEL OUT.json` under torchrun with 2 processes: GRPO with β 0.04 (a sharded
+    reference) in micro-batches of 2 rows, bf16 autocast, sharded two ways from the same weights: by ddp.shard (each
+    layer's linear weights gathered in bf16) and by fully_shard alone (every weight gathered in fp32, autocast
+    casting it: what ddp.shard did before). Rank 0 writes both updates' loss, gradient norm and weights, and the
+    bytes of the whole model as generation gathers it, each way, with the dtypes it holds."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = ddp.setup("cpu")
+    args, cfg = runs.resolve(train.Args(model=model_dir, algo="grpo", beta=0.04, num_prompts=8, num_generations=4,
+                                         num_minibatches=1, num_epochs=2, micro_batch_size=2, dtype="bfloat16",
+                                         old_logprobs="recompute", dynamic_sampling=False))
+    policy, tokenizer = runs.load_policy(args)
+    torch.manual_seed(1)  # the same rollout on every rank
+    batch = train.sample_groups(policy.eval(), tokenizer, runs.load_data(args)[0][:args.num_prompts], args)
+    g, half = args.num_generations, args.num_prompts // world.size
+    adv = losses.group_advantages(torch.tensor(batch.scores["reward"]), g, scale=cfg.scale_rewards)
+    mine = list(range(world.rank * half, (world.rank + 1) * half))
+    rows = torch.tensor([i * g + j for i in mine for j in range(g)])
+    results = {}
+    for way in ("shard", "fp32 gathers"):
+        model, ref = copy.deepcopy(policy).train(), models.frozen_reference(copy.deepcopy(policy))
+        if way == "shard":
+            world.wrap(model, fsdp=True)
+            ddp.shard(ref, frozen=True)
+        else:  # every unit gathered in its stored dtype: fp32 master weights, the reference's bf16 linears
+            for m in (model, ref):
+                for layer in m.get_decoder().layers:
+                    fully_shard(layer)
+                fully_shard(m)
+            ref.requires_grad_(False)
+            world.sharded = model
+        with world.gathered(model):
+            gathered = {str(dtype): sum(p.numel() * p.element_size() for p in model.parameters() if p.dtype == dtype)
+                        for dtype in {p.dtype for p in model.parameters()}}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        m = train.update(model, ref, optimizer, scheduler, train.select_groups(batch, mine, g), adv[rows], cfg, args,
+                         torch.Generator().manual_seed(0), world)
+        weights = ddp.full_state_dict(model)
+        world.sharded = None
+        if world.main:
+            results[way] = {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "gathered": gathered,
+                            "counted": ddp.gathered_bytes(model), "weights": weights}
+    if world.main:
+        a, b = results["shard"].pop("weights"), results["fp32 gathers"].pop("weights")
+        start = policy.state_dict()
+        results["max_weight_diff"] = max(float((a[k] - v).abs().max()) for k, v in b.items())
+        results["diff_by_name"] = {k: float((a[k] - v).abs().max()) for k, v in b.items() if not torch.equal(a[k], v)}
+        results["max_weight_change"] = max(float((v - start[k]).abs().max()) for k, v in b.items())
+        Path(out).write_text(json.dumps(results, indent=1))
+    world.barrier()
+    ddp.teardown()
+
+
 def reshard(model_dir: str, out_prefix: str, *checkpoint_dirs: str) -> None:
     """`fsdp_exactness.py --reshard MODEL OUT_PREFIX CHECKPOINT...` under torchrun with N processes: load each --fsdp
     checkpoint as a resumed run does (--model's weights sharded over N, then each rank's part of the checkpoint's
@@ -125,5 +180,7 @@ def reshard(model_dir: str, out_prefix: str, *checkpoint_dirs: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--reshard":
         reshard(*sys.argv[2:])
+    elif sys.argv[1] == "--bf16":
+        bf16(*sys.argv[2:])
     else:
         main(*sys.argv[1:])

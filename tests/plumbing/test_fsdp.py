@@ -189,3 +189,27 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, tiny_policy
                   "--output-dir", str(path.parents[2]))
         assert "resumed from" in out and "resharded" in out, out[-2000:]
         assert [r["step"] for r in metrics_without_timing(path.parents[2] / name)] == [3]
+
+
+def test_bf16_gathers_linear_weights_in_bf16_and_computes_what_fp32_gathers_did(tmp_path, tiny_policy_dir):
+    """Under bf16 autocast, ddp.shard gathers each layer's linear weights in bf16 (FSDP's mixed precision, gradients
+    reduce-scattered in fp32) and the norms and root in fp32: GRPO with β 0.04, micro-batches and two epochs over 2
+    ranks gives the loss of every weight gathered in fp32 bit for bit (a norm gathered in bf16 would not), the
+    gradient norm to fp32's rounding (a gradient summed in another order), and generation's gathered model is the
+    linear weights at 2 bytes and the rest at 4, as ddp.gathered_bytes (the start-up line's count) says."""
+    out = tmp_path / "bf16.json"
+    code, _, err = finish(torchrun(2, "tests/plumbing/fsdp_exactness.py", ["--bf16", str(tiny_policy_dir), str(out)]))
+    assert code == 0, err[-3000:]
+    r = json.loads(out.read_text())
+    mixed, fp32 = r["shard"], r["fp32 gathers"]
+    print({k: r[k] for k in ("max_weight_diff", "max_weight_change", "diff_by_name")}, mixed["gathered"],
+          fp32["gathered"])
+    assert mixed["loss"] == fp32["loss"]
+    assert abs(mixed["grad_norm"] - fp32["grad_norm"]) <= 1e-6 * fp32["grad_norm"]
+    # AdamW's first steps divide each gradient by its own size, which magnifies fp32's last bit in tiny gradients
+    assert r["max_weight_diff"] <= 0.01 * r["max_weight_change"] and r["max_weight_change"] > 0
+    whole = fp32["gathered"]["torch.float32"]  # every weight at 4 bytes
+    assert set(fp32["gathered"]) == {"torch.float32"}
+    linear, rest = mixed["gathered"]["torch.bfloat16"] // 2, mixed["gathered"]["torch.float32"] // 4
+    assert linear + rest == whole // 4 and linear > 0.8 * (linear + rest)
+    assert mixed["counted"] == sum(mixed["gathered"].values())

@@ -16,7 +16,7 @@ import model as models
 import rollout
 import train
 from conftest import SMALL_ARGS, metrics_without_timing
-from plumbing import logs, run as runs
+from plumbing import ddp, logs, run as runs
 
 
 def is_host(x) -> bool:
@@ -264,6 +264,20 @@ def test_bf16_forwards_compute_in_bf16_under_autocast(tiny_policy_dir):
     assert not torch.equal(twin(input_ids=ids).logits, policy(input_ids=ids).logits)
     assert logs.precision(policy) == "bfloat16 autocast, float32 weights"
     assert logs.precision(models.linears_as_computed(twin)) == "bfloat16 autocast, bfloat16 and float32 weights"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_gathers_bf16_runs_linear_weights_at_2_bytes(tiny_policy_dir, dtype):
+    """What --fsdp's generation gathers on each rank (ddp.gathered_bytes, the start-up line's count): a decoder
+    layer's linear weights at 2 bytes under bf16, everything else (embeddings, head, norms) at 4; all at 4 in fp32."""
+    policy, _ = runs.load_policy(runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir),
+                                                            "dtype": dtype}))[0])
+    layers = policy.get_decoder().layers
+    linear = sum(p.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    everything = sum(p.numel() for p in policy.parameters())
+    assert 0 < linear < everything
+    per_linear = 2 if dtype == "bfloat16" else 4
+    assert ddp.gathered_bytes(policy) == linear * per_linear + (everything - linear) * 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
