@@ -100,7 +100,9 @@ def bf16(model_dir: str, out: str) -> None:
     reference) in micro-batches of 2 rows, bf16 autocast, sharded two ways from the same weights: by ddp.shard (each
     layer's linear weights gathered in bf16) and by fully_shard alone (every weight gathered in fp32, autocast
     casting it: what ddp.shard did before). Rank 0 writes both updates' loss, gradient norm and weights, and the
-    bytes of the whole model as generation gathers it, each way, with the dtypes it holds."""
+    bytes of the whole model as generation gathers it, each way, with the dtypes it holds, and the bytes of the
+    layers' linear weights in bf16 (autocast's copies, or the gathered weights) that one forward keeps for its
+    backward."""
     from torch.distributed.fsdp import fully_shard
 
     world = ddp.setup("cpu")
@@ -127,6 +129,19 @@ def bf16(model_dir: str, out: str) -> None:
                 fully_shard(m)
             ref.requires_grad_(False)
             world.sharded = model
+        saved = []  # what one forward keeps for its backward, measured after it (FSDP frees a layer's gather then)
+
+        def keep(t):
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(input_ids=batch.ro.input_ids[rows[:2]]).logits.float().sum()
+        shapes = {tuple(m.weight.shape) for m in model.get_decoder().layers.modules() if isinstance(m, torch.nn.Linear)}
+        copies = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved  # a layer's weight
+                      if t.dtype == torch.bfloat16 and {tuple(t.shape), tuple(t.shape)[::-1]} & shapes}.values())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del saved, loss
         with world.gathered(model):
             gathered = {str(dtype): sum(p.numel() * p.element_size() for p in model.parameters() if p.dtype == dtype)
                         for dtype in {p.dtype for p in model.parameters()}}
@@ -138,7 +153,7 @@ def bf16(model_dir: str, out: str) -> None:
         world.sharded = None
         if world.main:
             results[way] = {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "gathered": gathered,
-                            "counted": ddp.gathered_bytes(model), "weights": weights}
+                            "counted": ddp.gathered_bytes(model), "weights": weights, "kept for backward": copies}
     if world.main:
         a, b = results["shard"].pop("weights"), results["fp32 gathers"].pop("weights")
         start = policy.state_dict()

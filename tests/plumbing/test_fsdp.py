@@ -195,8 +195,9 @@ def test_bf16_gathers_linear_weights_in_bf16_and_computes_what_fp32_gathers_did(
     """Under bf16 autocast, ddp.shard gathers each layer's linear weights in bf16 (FSDP's mixed precision, gradients
     reduce-scattered in fp32) and the norms and root in fp32: GRPO with β 0.04, micro-batches and two epochs over 2
     ranks gives the loss of every weight gathered in fp32 bit for bit (a norm gathered in bf16 would not), the
-    gradient norm to fp32's rounding (a gradient summed in another order), and generation's gathered model is the
-    linear weights at 2 bytes and the rest at 4, as ddp.gathered_bytes (the start-up line's count) says."""
+    gradient norm to fp32's rounding (a gradient summed in another order); a forward keeps no layer's bf16 weights
+    for its backward (fp32 gathers kept autocast's copy of each); and generation's gathered model is the linear
+    weights at 2 bytes and the rest at 4, as ddp.gathered_bytes (the start-up line's count) says."""
     out = tmp_path / "bf16.json"
     code, _, err = finish(torchrun(2, "tests/plumbing/fsdp_exactness.py", ["--bf16", str(tiny_policy_dir), str(out)]))
     assert code == 0, err[-3000:]
@@ -213,3 +214,4 @@ def test_bf16_gathers_linear_weights_in_bf16_and_computes_what_fp32_gathers_did(
     linear, rest = mixed["gathered"]["torch.bfloat16"] // 2, mixed["gathered"]["torch.float32"] // 4
     assert linear + rest == whole // 4 and linear > 0.8 * (linear + rest)
     assert mixed["counted"] == sum(mixed["gathered"].values())
+    assert mixed["kept for backward"] == 0 and fp32["kept for backward"] == 2 * linear
