@@ -17,6 +17,7 @@ import shutil
 import string
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -140,11 +141,25 @@ def resident_bytes(params: float, linear: float, compute_bytes: int, lora_params
 SPLIT_BY_FSDP = ("weights", "gradients", "AdamW moments", "reference")  # what --fsdp splits over its processes
 
 
-def sharded_resident(parts: dict[str, float], n: int, params: float) -> dict[str, float]:
-    """resident_bytes' parts per card under --fsdp over n processes (plumbing/ddp.py): the fp32 weights, gradients,
-    AdamW moments and the reference split n ways; autocast's copies not (each layer's copy is made from its gathered
-    weights and kept for its backward); and the whole fp32 model, gathered on every card for generation."""
-    return {**{k: v / n if k in SPLIT_BY_FSDP else v for k, v in parts.items()}, "gathered for generation": params * 4}
+class Counts(NamedTuple):
+    """A model's parameter counts, from its config alone (parameter_counts)."""
+    params: float  # every parameter
+    linear: float  # those of linear layers not tied to the embeddings (frozen_reference stores them as computed)
+    layer_linear: float  # those of the decoder layers' linear layers (--fsdp gathers them in the compute precision)
+    head: float  # the output head's weight, vocabulary x hidden, tied to the embeddings or not
+
+
+def sharded_resident(parts: dict[str, float], n: int, counts: Counts, compute_bytes: int) -> dict[str, float]:
+    """resident_bytes' parts per card under --fsdp over n processes (ddp.shard): the fp32 weights, gradients, AdamW
+    moments and the reference split n ways. Whole on every card: the root (embeddings, head, final norm) and the
+    norms gathered in fp32 for the update; in bf16, autocast's copy of the head alone (each layer's linear weights
+    are gathered in bf16 and freed after its forward, so no copy of them is kept); and, while it samples, the whole
+    model gathered, the layers' linear weights in the compute precision and the rest in fp32. FSDP's buffers for
+    the one or two layers gathered at a time are not counted."""
+    rest = counts.params - counts.layer_linear
+    return {**{k: v / n if k in SPLIT_BY_FSDP else v for k, v in parts.items()},
+            "autocast copies": compute_bytes * counts.head if compute_bytes < 4 else 0.0, "gathered root": 4 * rest,
+            "gathered for generation": 4 * rest + compute_bytes * counts.layer_linear}
 
 
 def generation_bytes(parts: dict[str, float]) -> float:
@@ -153,10 +168,9 @@ def generation_bytes(parts: dict[str, float]) -> float:
     return parts["gathered for generation"] + sum(parts.get(k, 0.0) for k in ("weights", "AdamW moments", "reference"))
 
 
-def parameter_counts(name: str) -> tuple[int, int] | None:
-    """(all parameters, those of linear layers not tied to the embeddings) of a hub id, model folder or .gguf file,
-    from its config alone: the model is built on the meta device, no weight is read. None where the config cannot be
-    read (loading the model then says why)."""
+def parameter_counts(name: str) -> Counts | None:
+    """The parameter counts of a hub id, model folder or .gguf file, from its config alone: the model is built on the
+    meta device, no weight is read. None where the config cannot be read (loading the model then says why)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source, kwargs = Path(name).expanduser(), {}
@@ -171,9 +185,12 @@ def parameter_counts(name: str) -> tuple[int, int] | None:
     except Exception:  # any loader error: the real load names it
         return None
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in embeddings
-                 for p in m.parameters())
-    return sum(p.numel() for p in model.parameters()), linear
+
+    def linear_in(module):
+        return sum(p.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in
+                   embeddings for p in m.parameters())
+    return Counts(sum(p.numel() for p in model.parameters()), linear_in(model), linear_in(model.get_decoder().layers),
+                  model.get_output_embeddings().weight.numel())
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -190,16 +207,17 @@ def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, 
     counts = None if free is None or name == "embedded" else parameter_counts(name)
     if counts is None:
         return
-    parts = resident_bytes(*counts, compute_bytes=torch.finfo(dtype).bits // 8, reference=reference)
+    compute_bytes = torch.finfo(dtype).bits // 8
+    parts = resident_bytes(counts.params, counts.linear, compute_bytes=compute_bytes, reference=reference)
     need, where = sum(parts.values()), "on the device"
     if shards > 1:
-        parts = sharded_resident(parts, shards, counts[0])
+        parts = sharded_resident(parts, shards, counts, compute_bytes)
         need = max(sum(v for k, v in parts.items() if k != "gathered for generation"), generation_bytes(parts))
         where = f"per card under --fsdp over {shards} processes"
     if need > free:
         detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v)
-        raise ModelError(f"a full fine-tune of {name} ({counts[0] / 1e9:.2f}B parameters) keeps {need / GiB:.1f} GiB "
-                         f"{where} before any activation ({detail} GiB), and {device} has {free / GiB:.1f} GiB "
+        raise ModelError(f"a full fine-tune of {name} ({counts.params / 1e9:.2f}B parameters) keeps {need / GiB:.1f} "
+                         f"GiB {where} before any activation ({detail} GiB), and {device} has {free / GiB:.1f} GiB "
                          "free: train LoRA adapters instead (--lora-rank 16, with --gradient-checkpointing for long "
                          "completions), take a smaller model, shard it over more devices (--fsdp under torchrun), "
                          "or a device with more memory")

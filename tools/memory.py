@@ -75,6 +75,12 @@ class Shape:
         """Parameters of linear layers not tied to the embeddings (all but the embeddings and the norms)."""
         return self.params - self.vocab * self.hidden - (2 * self.layers + 1) * self.hidden
 
+    @property
+    def counts(self) -> models.Counts:
+        """model.parameter_counts' numbers; the decoder layers' linear weights from the widths (biases left out)."""
+        per_layer = self.hidden * (2 * self.q + 2 * self.kv + 3 * self.intermediate)  # q, k, v, o, the SwiGLU MLP
+        return models.Counts(self.params, self.linear, self.layers * per_layer, self.vocab * self.hidden)
+
 
 # Qwen2.5 instruct models (their config.json: hidden_size, intermediate_size, num_hidden_layers, num_key_value_heads x
 # head size, vocab_size, num_attention_heads; parameters as the model card gives them)
@@ -158,7 +164,8 @@ def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bon
             "pi_old pass": size * s.vocab * k0 + n * s.hidden * a0 + s.vocab * s.hidden * w0}
 
 
-RESIDENT = ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter")  # while it trains
+RESIDENT = ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter",  # while it trains
+            "gathered root")  # (--fsdp)
 PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, and the transients here)
     "update": (*RESIDENT, "activations", "logits"),  # a micro-batch's forward and its log-prob path's backward
     "layers' backward": (*RESIDENT, "activations", "recomputed layer", "embedding gradient"),  # log-prob path freed
@@ -205,11 +212,13 @@ LARGE = [QWEN[1], QWEN[2], Shape("Qwen2.5-7B", 7.62e9, 28, 3584, 18944, 512, 152
          Shape("Qwen3-8B", 8.19e9, 36, 4096, 12288, 1024, 151936, 32, 4096)]
 
 
-def sharded(e: dict[str, float], n: int, params: float) -> dict[str, float]:
+def sharded(e: dict[str, float], n: int, s: Shape, compute_bytes: int = 2) -> dict[str, float]:
     """Per card under --fsdp over n processes: model.sharded_resident's split (the fp32 weights, gradients, AdamW
-    moments and reference n ways; autocast's copies whole; the whole fp32 model gathered for generation), and the
-    optimizer step's temporaries, which follow the shards."""
-    return {**models.sharded_resident(e, n, params), "optimizer step": e.get("optimizer step", 0.0) / n}
+    moments and reference n ways; the root gathered whole, autocast's copy of the head; generation's gathered model,
+    its layers' linear weights in the compute precision), and the optimizer step's temporaries, which follow the
+    shards."""
+    split = models.sharded_resident(e, n, s.counts, compute_bytes)
+    return {**split, "optimizer step": e.get("optimizer step", 0.0) / n}
 
 
 def sharded_total(e: dict[str, float]) -> float:
@@ -229,7 +238,7 @@ def fsdp_table(n: int, minibatch: int = 32, prompt: int = 150, completion: int =
         cells = []
         for ckpt in (False, True):
             def peak(r):
-                return sharded_total(sharded(estimate(s, r, prompt + completion, completion, 0.0, ckpt), n, s.params))
+                return sharded_total(sharded(estimate(s, r, prompt + completion, completion, 0.0, ckpt), n, s))
             fits = []
             for card in CARDS:
                 r = rows

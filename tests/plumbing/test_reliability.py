@@ -108,7 +108,7 @@ def test_a_full_fine_tune_that_cannot_fit_is_refused_before_loading(tmp_path, ca
     weight is read, with both numbers and what helps; the device's free memory is stated by a stand-in."""
     import model as models
 
-    params, linear = models.parameter_counts(str(tiny_policy_dir))
+    params, linear, *_ = models.parameter_counts(str(tiny_policy_dir))
     need = sum(models.resident_bytes(params, linear, compute_bytes=2, reference=True).values())
     assert need == params * 18 + (params - linear) * 4 + linear * 2
     monkeypatch.setattr(models, "free_memory", lambda device: need - 1)
@@ -125,23 +125,30 @@ def test_a_full_fine_tune_that_cannot_fit_is_refused_before_loading(tmp_path, ca
 
 
 def test_under_fsdp_the_refusal_counts_one_card_s_share(monkeypatch):
-    """--fsdp over N processes: the fp32 weights, gradients, AdamW moments and reference are split N ways, autocast's
-    bf16 copies are not, and generation gathers the whole fp32 model beside the weights' and moments' shards. A
-    7.6B model (bf16, β 0) over 4 cards keeps max(16P/4 + 2P, 4P + 12P/4) = 7P per card, not one card's 18P."""
+    """--fsdp over N processes: the fp32 weights, gradients, AdamW moments and reference are split N ways; the root
+    (embeddings, head, norms) is gathered in fp32 for the update beside autocast's bf16 copy of the head; generation
+    gathers the whole model, its layers' linear weights in bf16 and the rest in fp32, beside the weights' and
+    moments' shards. A Qwen2.5-7B-shaped model (bf16, β 0) over 4 cards: the larger of the update's 16P/4 + 2 head
+    + 4 rest and generation's 12P/4 + 4 rest + 2 layer_linear, not one card's 18P."""
     import model as models
 
-    params = 7.62e9
-    monkeypatch.setattr(models, "parameter_counts", lambda name: (params, 6.5e9))
+    counts = models.Counts(params=7.62e9, linear=7.07e9, layer_linear=6.52e9, head=0.545e9)
+    rest = counts.params - counts.layer_linear
+    update = 4 * counts.params + 2 * counts.head + 4 * rest
+    generation = 3 * counts.params + 4 * rest + 2 * counts.layer_linear
+    assert generation > update
+    monkeypatch.setattr(models, "parameter_counts", lambda name: counts)
     cuda = torch.device("cuda")
-    monkeypatch.setattr(models, "free_memory", lambda device: 7 * params)
+    monkeypatch.setattr(models, "free_memory", lambda device: generation)
     models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False, shards=4)  # fits: not refused
-    with pytest.raises(models.ModelError, match=f"keeps {18 * params / 2**30:.1f} GiB on the device"):
+    with pytest.raises(models.ModelError, match=f"keeps {18 * counts.params / 2**30:.1f} GiB on the device"):
         models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False)  # one card: refused
-    monkeypatch.setattr(models, "free_memory", lambda device: 7 * params - 1)
-    with pytest.raises(models.ModelError, match=f"keeps {7 * params / 2**30:.1f} GiB per card under --fsdp over 4 "
+    monkeypatch.setattr(models, "free_memory", lambda device: generation - 1)
+    with pytest.raises(models.ModelError, match=f"keeps {generation / 2**30:.1f} GiB per card under --fsdp over 4 "
                                                 "processes") as refused:
         models.refuse_what_cannot_fit("some/7b", cuda, torch.bfloat16, False, shards=4)
-    assert "gathered for generation 28.4" in str(refused.value) and "--fsdp" in str(refused.value)
+    gathered = (4 * rest + 2 * counts.layer_linear) / 2**30
+    assert f"gathered for generation {gathered:.1f}" in str(refused.value) and "--fsdp" in str(refused.value)
 
 
 def test_the_embedded_model_is_never_looked_up_for_the_refusal(monkeypatch):
@@ -169,7 +176,11 @@ def test_parameter_counts_are_read_from_the_config_alone(tmp_path):
         config.save_pretrained(folder)  # the config alone: no weights in the folder
         linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
                      if not (config.tie_word_embeddings and m is model.lm_head))
-        assert models.parameter_counts(str(folder)) == (sum(p.numel() for p in model.parameters()), linear)
+        head = 300 * 32 * (1 if config.tie_word_embeddings else 2)  # embeddings; an untied head, a linear layer
+        layer_linear = linear - (0 if config.tie_word_embeddings else 300 * 32)
+        assert models.parameter_counts(str(folder)) == (sum(p.numel() for p in model.parameters()), linear,
+                                                         layer_linear, 300 * 32)
+        assert sum(p.numel() for p in model.parameters()) - layer_linear == head + 32 * (2 * 2 + 1)  # and the norms
     assert models.parameter_counts(str(tmp_path / "nothing-here")) is None
 
 
@@ -207,7 +218,7 @@ def test_the_bf16_reference_scores_bit_for_bit_as_an_fp32_copy_at_half_the_bytes
         b = rollout.completion_logprobs(ref, ids, mask, 12)
     assert torch.equal(a, b)
     size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
-    params, linear = models.parameter_counts(str(tiny_policy_dir))
+    params, linear, *_ = models.parameter_counts(str(tiny_policy_dir))
     assert size(ref) == (params - linear) * 4 + linear * 2 < size(policy)
     assert not any(p.requires_grad for p in ref.parameters())
     fp32 = models.frozen_reference(models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)[0])

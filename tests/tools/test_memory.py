@@ -190,18 +190,25 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
         assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
 
 
-def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies():
-    """--fsdp N: weights, gradients and AdamW moments per card are 1/N of one process's; autocast's bf16 copies and
-    generation's gathered model are whole; the docs' table is the one the tool prints."""
+def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies(tiny_policy_dir):
+    """--fsdp N: weights, gradients and AdamW moments per card are 1/N of one process's; the root gathered in fp32,
+    autocast's bf16 copy of the head and generation's gathered model (the layers' linear weights in bf16) are whole;
+    a Shape's counts are parameter_counts' (a bias-free model); the docs' table is the one the tool prints."""
     from tools import memory
+    import model as models
 
+    assert memory.shape_of(str(tiny_policy_dir)).counts == models.parameter_counts(str(tiny_policy_dir))
     s = memory.LARGE[2]
     e = memory.estimate(s, 2, 406, 256, 0.04, False)
-    per = memory.sharded(e, 4, s.params)
+    per = memory.sharded(e, 4, s)
     for part in ("weights", "gradients", "AdamW moments", "reference"):
         assert per[part] == e[part] / 4
-    assert per["autocast copies"] == e["autocast copies"] and per["gathered for generation"] == 4 * s.params
-    assert memory.sharded_total(memory.sharded(e, 8, s.params)) < memory.sharded_total(per) < memory.total(e)
+    rest = s.params - s.counts.layer_linear  # embeddings, head and norms: 1.1B of Qwen2.5-7B's 7.6B
+    assert 1.0e9 < rest < 1.2e9 and per["gathered root"] == 4 * rest
+    assert per["autocast copies"] == 2 * s.vocab * s.hidden < e["autocast copies"]
+    assert per["gathered for generation"] == 4 * rest + 2 * s.counts.layer_linear
+    assert memory.sharded(e, 4, s, compute_bytes=4)["gathered for generation"] == 4 * s.params
+    assert memory.sharded_total(memory.sharded(e, 8, s)) < memory.sharded_total(per) < memory.total(e)
     assert memory.fsdp_table(8) in (ROOT / "docs" / "reference.md").read_text()
 
 
