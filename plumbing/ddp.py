@@ -225,13 +225,13 @@ def _gathered(model):
     units = _units(model)
     for unit in units:
         unit.unshard()
-        unit.set_reshard_after_forward(False)
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
         yield
-    finally:
-        for unit in units:
+    finally:  # as fully_shard left them: the root keeps its weights after a forward (the chunked log-probs' head
+        for unit in units:  # runs after the model's forward, and the backward needs them), the layers free theirs
             unit.reshard()
-            unit.set_reshard_after_forward(True)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
 @contextlib.contextmanager
