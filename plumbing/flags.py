@@ -29,7 +29,7 @@ import torch
 
 from plumbing import ddp
 import model as models
-from base import network
+from base import errors, network
 import rewards
 import rollout
 import task
@@ -173,8 +173,9 @@ def working_schedulers() -> list[str]:
 
 def parse(cli, description: str, argv: list[str] | None, program: str = "python train.py", **tyro_kwargs):
     """tyro's parse, with a parse error (an unknown flag, a value of the wrong type, a choice that does not exist)
-    as one `error:` line and exit code 2 instead of tyro's box; a choice's valid values come closest first. Every
-    entry point parses through here (`program` names it in --help's usage line and in the hint)."""
+    as one `error:` line and exit code 2 instead of tyro's box (under torchrun, rank 0's); a choice's valid values
+    come closest first. Every entry point parses through here (`program` names it in --help's usage line and in the
+    hint)."""
     import contextlib
     import difflib
     import io
@@ -198,7 +199,9 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
             message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
         elif message.startswith("Unrecognized options"):
             message = other_name(cli, argv) or with_suggestions(message, box.getvalue())
-        print(f"error: {message} ({program} --help lists every flag)", file=sys.stderr)
+        errors.report(ConfigError(f"{message} ({program} --help lists every flag)"), rank := ddp.rank())
+        if rank != 0:  # under torchrun every rank parses the same flags: rank 0 alone prints the line
+            errors.wait_for_rank_zero()
         sys.exit(2)
 
 

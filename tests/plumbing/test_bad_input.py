@@ -232,6 +232,22 @@ def test_bad_flags(tmp_path, capsys, tiny_policy_dir, no_wandb_login, argv, mess
     assert not out.exists()  # not even the output folder is created before the checks
 
 
+def test_under_torchrun_a_flag_that_does_not_parse_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    """Every rank parses the same flags: each printed the same `error:` line (twice under 2 processes); the others now
+    wait for rank 0 to print it and exit, as they do for a bad value found after parsing (errors.one_line_errors)."""
+    waits = []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    monkeypatch.setattr(errors.signal, "signal", lambda sig, handler: None)
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        waits.clear()
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--rollout-correction", "truncate"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and (err.startswith("error: --rollout-correction 'truncate'") == printed)
+        assert (err == "" and waits == [10.0]) if not printed else (err.count("\n") == 1 and not waits)
+
+
 def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_processes():
     """The other side of the boundaries above: values on the edge are accepted. And under torchrun the P prompts of
     a step must divide evenly over the processes."""
