@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from plumbing import checkpoint
+from plumbing import checkpoint, ddp
 from plumbing import flags
 from base.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OptimizerOutOfMemory,
                              OutOfMemory)
@@ -52,7 +52,10 @@ def preflight(args, run_dir: Path, world_size: int = 1):
         raise ConfigError(f"--total-steps {args.total_steps}: the checkpoint {resume_from} is at step {state['step']}, "
                           f"past it; give --total-steps {state['step']} to finish that run, or more to train further")
     checkpoint.check_world_size(state, world_size, resume_from)
-    for change in checkpoint.compare_configs(state["config"], asdict(args), resume_from):
+    changes = checkpoint.compare_configs(state["config"], asdict(args), resume_from)
+    if ddp.rank() != 0:  # under torchrun every rank checks; rank 0 alone says what it found
+        return resume_from, state
+    for change in changes:
         print(f"resume: allowed change {change}")
     before = state["config"].get("total_steps")
     if before != args.total_steps and args.lr_scheduler not in SPAN_FREE_SCHEDULES:  # e.g. a finished run extended

@@ -336,3 +336,23 @@ def test_a_finished_lora_runs_refusal_offers_its_merged_model_not_its_adapter(tm
             lifecycle.check_run_folder(run, None, False)
         offered = f"--model {run / 'final' / 'merged'} --run-name NEW_NAME starts a new run from its final policy"
         assert (offered in str(refused.value)) == merged and (f"--model {run / 'final'} " not in str(refused.value))
+
+
+def test_under_torchrun_rank_0_alone_says_what_a_resume_changes(tmp_path, monkeypatch, capsys):
+    """Every rank checks the checkpoint before start-up; the allowed changes and the schedule note were printed by
+    each of them (twice under 2 processes). Rank 0 alone prints them; every rank still refuses what it must."""
+    args = runs.resolve(train.Args(output_dir=str(tmp_path), total_steps=3, lr_scheduler="cosine",
+                                   resume="somewhere", wandb_mode="disabled"))[0]
+    saved = {**dataclasses.asdict(args), "total_steps": 2, "run_name": "before"}
+    monkeypatch.setattr(checkpoint, "find", lambda resume, run_dir: tmp_path / "step-000002")
+    monkeypatch.setattr(checkpoint, "load_state", lambda path: {"step": 2, "config": saved})
+    monkeypatch.setattr(checkpoint, "check_world_size", lambda state, n, path: None)
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert lifecycle.preflight(args, tmp_path / "run", 2)[1]["step"] == 2
+        out = capsys.readouterr().out
+        assert ("resume: allowed change total_steps: 2 -> 3" in out and "follows a 3-step schedule" in out) == printed
+        assert printed or out == ""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(Exception, match="lr"):  # a change that is not allowed: refused on every rank
+        lifecycle.preflight(dataclasses.replace(args, lr=1.0), tmp_path / "run", 2)
