@@ -128,6 +128,17 @@ def addition_splits() -> tuple[list[Example], list[Example]]:
     return [e for e in examples if not heldout(e)], [e for e in examples if heldout(e)]
 
 
+def embedded_splits(name: str) -> tuple[list[Example], list[Example]] | None:
+    """(train, held-out) of an embedded task by its --dataset name, or None for any other name."""
+    if name == "embedded-add":
+        return addition_splits()
+    if name in EMBEDDED_TASKS:
+        instruct, long = EMBEDDED_TASKS[name]
+        return default_splits(instruct=instruct, long=long)
+    return None
+
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The long variant (--dataset embedded-long): the same remainders, worked over 3 to 36 subtractions
 # ---------------------------------------------------------------------------------------------------------------

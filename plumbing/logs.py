@@ -128,6 +128,7 @@ def startup_lines(args, run_dir: Path, train_set: list, test_set: list, policy, 
         + ["final/"] * (trains and args.save_model)
     lines = [f"run folder: {run_dir} ({', '.join(written)}); {wandb}",
              f"data: {args.dataset}, {len(train_set)} training and {len(test_set)} held-out problems"
+             + (f" from {args.eval_dataset}" if args.eval_dataset else "")
              + (f" (--eval-size: {len(test_set)} spread over all {held_out})" if len(test_set) < held_out else "") + "; "
              f"device {policy.device}, {precision(policy)}{threads}"
              + (f", {world.size} processes" if world.size > 1 else "")]

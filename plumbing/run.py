@@ -160,17 +160,14 @@ def spread(examples: list, n: int) -> list:
 
 
 def load_data(args) -> tuple[list[task.Example], list[task.Example]]:
-    """(training, held-out) problems. With --eval-dataset, its rows (its test split, if it has one) are the held-out
-    set, and a file or hub --dataset keeps every row for training (an embedded task keeps its training split)."""
-    if args.dataset == "embedded-add":
-        train, test = task.addition_splits()
-    elif args.dataset in task.EMBEDDED_TASKS:
-        instruct, long = task.EMBEDDED_TASKS[args.dataset]
-        train, test = task.default_splits(instruct=instruct, long=long)
-    else:
-        train, test = task.load_dataset(args.dataset, args.prompt_field, args.answer_field, args.dataset_config,
-                                        split=not args.eval_dataset)
-    if args.eval_dataset:
+    """(training, held-out) problems. With --eval-dataset, its rows (its test split, if it has one; an embedded
+    task's held-out split) are the held-out set, and a file or hub --dataset keeps every row for training (an
+    embedded task keeps its training split)."""
+    train, test = task.embedded_splits(args.dataset) or task.load_dataset(
+        args.dataset, args.prompt_field, args.answer_field, args.dataset_config, split=not args.eval_dataset)
+    if args.eval_dataset and (embedded := task.embedded_splits(args.eval_dataset)):
+        test = embedded[1]  # an embedded task's held-out split, e.g. the long task's to see length generalise
+    elif args.eval_dataset:
         rows, held = task.load_dataset(args.eval_dataset, args.prompt_field, args.answer_field, split=False)
         test = held or rows
     return train, test

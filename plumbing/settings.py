@@ -76,7 +76,7 @@ class Evaluation:
     """held-out problems to evaluate, spread evenly over the held-out set (the same ones in every run); 0: all"""
     eval_dataset: str = ""
     """your own held-out set, read as --dataset is (formats, --prompt-field/--answer-field): its test split if it has
-    one, else every row; a file or hub --dataset then trains on all its rows"""
+    one, else every row (an embedded name: its held-out split); a file or hub --dataset then trains on all its rows"""
     eval_samples: int = 0
     """also draw this many samples per held-out problem at --temperature and log eval/pass@1 and eval/pass@N
     (unbiased estimator); 0: greedy accuracy only"""

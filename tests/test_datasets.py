@@ -131,7 +131,7 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
     summary = train.train(dataclasses.replace(args, num_prompts=2, num_generations=2, max_new_tokens=8, total_steps=1,
                                         output_dir=str(tmp_path / "runs"), save_model=False))
     out = capsys.readouterr().out
-    assert "5 training" not in out and "40 training and 5 held-out problems" in out
+    assert "5 training" not in out and f"40 training and 5 held-out problems from {tmp_path / 'mine.parquet'}" in out
     assert out.count("warning: only 5 held-out problems") == 1 and "mine.parquet holds no more" in out
     assert "pass a larger set of your own" not in out  # (issue 50.3: not advice to do what was done)
     assert "(5 problems)" in out and round(summary["accuracy_after"] * 5, 9) % 1 == 0  # scored on those 5
@@ -142,6 +142,21 @@ def test_your_own_held_out_set_replaces_the_split(tmp_path, tiny_policy_dir, cap
                                     output_dir=str(tmp_path / "runs"), run_name="overlap", save_model=False,
                                     eval_dataset=str(tmp_path / "overlap.jsonl")))
     assert "warning: 2 of the 3 held-out problems are training problems too" in capsys.readouterr().out
+
+
+def test_an_embedded_task_s_held_out_split_is_a_held_out_set(tmp_path):
+    """--eval-dataset embedded-long with --dataset embedded (train short, evaluate on long chains; it was looked up
+    on the hub): the long task's held-out split, no prompt of which is a training prompt; and from a file too."""
+    long_train, long_test = task.default_splits(long=True)
+    short_train, _ = task.default_splits()
+    args = runs.resolve(train.Args(eval_dataset="embedded-long"))[0]
+    tr, te = runs.load_data(args)
+    assert (tr, te) == (short_train, long_test) and not {e.prompt for e in te} & {e.prompt for e in tr}
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
+                                                  for n in range(10, 20)))
+    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset="embedded-add"))[0]
+    tr, te = runs.load_data(args)
+    assert len(tr) == 10 and te == task.addition_splits()[1]
 
 
 def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
