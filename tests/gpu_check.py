@@ -199,7 +199,8 @@ def check_runs(c: Check) -> None:
     if c.device == "cuda" and torch.cuda.device_count() >= 2:
         commands["torchrun, 2 ranks (NCCL)"] = [*torchrun, "--nproc-per-node", "2", "train.py", *common,
                                                "--run-name", "np2"]
-    sharded = ["--fsdp", "--save-every", "1", "--keep-checkpoints", "1"]  # each step's shards written (DCP)
+    sharded = ["--fsdp", "--save-every", "1", "--keep-checkpoints", "1",  # each step's shards written (DCP)
+               "--logprob-chunk", "16"]  # the head run after the forward, as by default at a real vocabulary's size
     if c.device == "cuda":  # sharded over every local GPU (issue 47.7), one included: FSDP2, NCCL, DCP on CUDA
         n = torch.cuda.device_count()
         commands[f"torchrun, {n} rank(s) (NCCL), --fsdp"] = [*torchrun, "--nproc-per-node", str(n), "train.py",
