@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from base.errors import UserError
+
 
 # Seed offset between ranks: rank 0 keeps the single-process seed, so a 1-process run is unchanged.
 RANK_SEED_STRIDE = 100_003
@@ -118,10 +120,17 @@ class World:
 
     @contextlib.contextmanager
     def main_first(self):
-        """Rank 0 runs the block first (it may build a cache: the warm start, a dataset download), then the others."""
+        """Rank 0 runs the block first (it may build a cache: the warm start, a dataset download), then the others.
+        A bad input rank 0 meets there (a UserError: a bad row, a model that cannot fit) lets the others in too:
+        each meets it itself and leaves the one line to rank 0, instead of reporting rank 0's exit as a failure."""
         if not self.main:
             self.barrier()
-        yield
+        try:
+            yield
+        except UserError:
+            if self.main:
+                self.barrier()
+            raise
         if self.main:
             self.barrier()
 

@@ -135,6 +135,20 @@ def test_bad_flag_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
     assert not (tmp_path / "gspo-np2-s0").exists()
 
 
+def test_bad_data_under_torchrun_is_one_line(tmp_path, tiny_policy_dir):
+    """A bad row is found while loading, where rank 0 goes first and the others wait for it: they reported rank 0's
+    exit as a failure of their own (a second `error:` line). They now meet the bad row themselves, and rank 0 alone
+    prints it."""
+    rows = [{"prompt": f"{n} mod 3 =", "answer": str(n % 3)} for n in range(10, 30)] + [{"prompt": "7 mod 3 ="}]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out"), "--dataset",
+            str(tmp_path / "bad.jsonl"), *SMALL, "--max-new-tokens", "24"]
+    code, _, err = finish(torchrun(2, "train.py", argv), timeout=120)
+    lines = error_lines(err)
+    assert code != 0 and len(lines) == 1 and "bad.jsonl:21" in lines[0], err[-3000:]
+    assert not (tmp_path / "out" / "gspo-np2-s0").exists()
+
+
 def test_a_rank_other_than_zero_waits_for_rank_zero_to_print_a_shared_error(monkeypatch, capsys):
     """torchrun stops every process once one exits: had rank 1 exited at once on a bad flag, rank 0 could be killed
     before printing it (seen once in CI: no error line at all; reproduced by delaying rank 0 by 3 s). Rank 1 now
