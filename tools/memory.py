@@ -7,6 +7,7 @@
                                 # peak beside its estimate; --device cuda on a GPU
     python -m tools.memory --measure-chunking   # whole logits against chunked log-probs (--logprob-chunk), measured
     python -m tools.memory --fsdp 8   # per card under --fsdp over 8 processes, for 1.5B-8B models at the defaults
+                                # (with --model PATH: that model's, at your settings)
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
                                 # weights are read) at your settings: each part, and the rows per forward that fit
 
@@ -170,7 +171,7 @@ PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, a
     "update": (*RESIDENT, "activations", "logits"),  # a micro-batch's forward and its log-prob path's backward
     "layers' backward": (*RESIDENT, "activations", "recomputed layer", "embedding gradient"),  # log-prob path freed
     "optimizer step": ("weights", "gradients", "AdamW moments", "reference", "adapter", "optimizer step"),
-    "pi_old pass": ("weights", "AdamW moments", "reference", "adapter", "pi_old pass"),
+    "pi_old pass": ("weights", "AdamW moments", "reference", "adapter", "pi_old pass", "gathered root"),
 }
 
 
@@ -237,28 +238,32 @@ def fsdp_table(n: int, minibatch: int = 32, prompt: int = 150, completion: int =
     for s in LARGE:
         cells = []
         for ckpt in (False, True):
-            def peak(r):
-                return sharded_total(sharded(estimate(s, r, prompt + completion, completion, 0.0, ckpt), n, s))
-            fits = []
-            for card in CARDS:
-                r = rows
-                while r >= 1 and peak(r) > (1 - MARGIN) * card * GiB:
-                    r //= 2
-                fits.append(str(r) if r >= 1 else "no")
-            cells += [f"{peak(1) / GiB:.1f} GiB", " / ".join(fits)]
+            one = card_peak(estimate(s, 1, prompt + completion, completion, 0.0, ckpt), s, n, 2)
+            fits = [str(rows_that_fit(s, card, rows, prompt + completion, completion, 0.0, ckpt, fsdp=n) or "no")
+                    for card in CARDS]
+            cells += [f"{one / GiB:.1f} GiB", " / ".join(fits)]
         lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def card_peak(e: dict[str, float], s: Shape, fsdp: int, compute_bytes: int) -> float:
+    """The largest phase on one card: total(e) in one process, or under --fsdp over `fsdp` processes the larger of
+    the update's and generation's per card (sharded_total)."""
+    return sharded_total(sharded(e, fsdp, s, compute_bytes)) if fsdp > 1 else total(e)
 
 
 CARDS = (24, 48, 80)  # the usual single cards, in GiB as their makers count (an "80 GB" A100 holds 80 GiB)
 
 
 def rows_that_fit(s: Shape, card: float, rows: int, tokens: int, completion: int, beta: float, checkpointing: bool,
-                  lora_rank: int = 0, compute_bytes: int = 2, entropy_bonus: bool = False, chunk: int = 0) -> int:
+                  lora_rank: int = 0, compute_bytes: int = 2, entropy_bonus: bool = False, chunk: int = 0,
+                  fsdp: int = 1) -> int:
     """What --micro-batch-size 0 lands on after halving from `rows` (rows, rows/2, ..., 1) on a card of `card` GiB
-    with MARGIN left free; 0 when even one row does not fit."""
-    while rows >= 1 and total(estimate(s, rows, tokens, completion, beta, checkpointing, lora_rank, compute_bytes,
-                                       entropy_bonus, chunk=chunk)) > (1 - MARGIN) * card * GiB:
+    with MARGIN left free (per card under --fsdp over `fsdp` processes); 0 when even one row does not fit."""
+    def peak(r: int) -> float:
+        return card_peak(estimate(s, r, tokens, completion, beta, checkpointing, lora_rank, compute_bytes,
+                                  entropy_bonus, chunk=chunk), s, fsdp, compute_bytes)
+    while rows >= 1 and peak(rows) > (1 - MARGIN) * card * GiB:
         rows //= 2
     return rows
 
@@ -626,7 +631,8 @@ class MemoryArgs:
     """bfloat16 (autocast over fp32 weights, as on a GPU) or float32"""
     fsdp: int = 0
     """N > 1: per card under `torchrun --nproc-per-node N train.py --fsdp` (sharded weights, gradients and AdamW state)
-    for Qwen2.5-1.5B / 3B / 7B and Qwen3-8B at the defaults: the peak and the rows per forward that fit"""
+    for Qwen2.5-1.5B / 3B / 7B and Qwen3-8B at the defaults, or with --model for that model at these settings: the
+    peak and the rows per forward that fit"""
     logprob_chunk: int = 0
     """as train.py's: completion positions whose logits are made at once (0: 2^24 / vocabulary size; -1: whole
     logits)"""
@@ -665,6 +671,14 @@ def check(a: MemoryArgs) -> None:
         raise EstimateError(f"--beta {a.beta}: must be 0 or more")
     if a.fsdp < 0:
         raise EstimateError(f"--fsdp {a.fsdp}: must be 0 (one device) or the number of processes")
+    if a.fsdp > 1 and a.lora_rank:  # as train.py
+        raise EstimateError("--fsdp with --lora-rank: train.py refuses it (a LoRA adapter is small: use data parallel, "
+                            "whose estimate per card is one process's)")
+    if a.fsdp > 1 and a.model and (a.num_prompts % a.fsdp or (a.num_prompts // a.fsdp * a.num_generations)
+                                   % a.num_minibatches):
+        raise EstimateError(f"--num-prompts {a.num_prompts} over {a.fsdp} processes: each process takes whole groups "
+                            f"and splits its rows into --num-minibatches {a.num_minibatches}; use a multiple of "
+                            f"{a.fsdp} that allows that")
     if a.logprob_chunk < -1:
         raise EstimateError(f"--logprob-chunk {a.logprob_chunk}: must be -1 (whole logits), 0 (sized to the "
                            "vocabulary) or a number of positions")
@@ -676,12 +690,14 @@ def for_model(a: MemoryArgs) -> str:
     lora = lora_of(a.model)
     if lora:  # a LoRA run: its base model at the adapter's rank (unless --lora-rank says otherwise)
         a = replace(a, model=lora[0], lora_rank=a.lora_rank or lora[1])
+        check(a)  # (--fsdp is refused with it)
     return for_shape(a, shape_of(a.model))
 
 
 def estimate_at(a: MemoryArgs, s: Shape) -> tuple[int, int, int, dict[str, float]]:
-    """The settings' estimate for a Shape: (rows per forward, tokens per row, compute bytes, each part's bytes)."""
-    minibatch = a.num_prompts * a.num_generations // a.num_minibatches
+    """The settings' estimate for a Shape: (rows per forward, tokens per row, compute bytes, each part's bytes), one
+    process's (under --fsdp N, each process's rows: its P/N prompts' groups)."""
+    minibatch = a.num_prompts // max(a.fsdp, 1) * a.num_generations // a.num_minibatches
     rows, tokens, per = a.micro_batch_size or minibatch, a.prompt_tokens + a.max_new_tokens, \
         2 if a.dtype == "bfloat16" else 4
     return rows, tokens, per, estimate(s, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing,
@@ -691,18 +707,24 @@ def estimate_at(a: MemoryArgs, s: Shape) -> tuple[int, int, int, dict[str, float
 def for_shape(a: MemoryArgs, s: Shape) -> str:
     """for_model's text for a Shape at hand (docs/recipes.md quotes it for Qwen2.5's shapes)."""
     rows, tokens, per, parts = estimate_at(a, s)
+    n = max(a.fsdp, 1)
     setup = (f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tune") + \
-        (" + gradient checkpointing" if a.gradient_checkpointing else "")
+        (" + gradient checkpointing" if a.gradient_checkpointing else "") + \
+        (f", per card under --fsdp over {n} processes" if n > 1 else "")
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
              f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} "
              f"rows x {tokens} tokens" + ("" if a.micro_batch_size else " (--micro-batch-size 0: a whole minibatch)")]
-    lines += [f"  {k:<18} {v / GiB:7.2f} GiB" for k, v in parts.items() if v]
-    lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(parts).items()]
-    lines.append(f"  {'peak':<18} {total(parts) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} of a card for "
-                 "the CUDA context and the allocator's cache)")
+    card = sharded(parts, n, s, per) if n > 1 else parts
+    width = max(18, *(len(k) for k, v in card.items() if v))  # (--fsdp: "gathered for generation")
+    lines += [f"  {k:<{width}} {v / GiB:7.2f} GiB" for k, v in card.items() if v]
+    lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(card).items()]
+    if n > 1:
+        lines.append(f"  phase: {'generation':<16} {models.generation_bytes(card) / GiB:7.2f} GiB")
+    lines.append(f"  {'peak':<{width}} {card_peak(parts, s, n, per) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} "
+                 "of a card for the CUDA context and the allocator's cache)")
     for card in CARDS:
         fit = rows_that_fit(s, card, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank,
-                            per, a.entropy_bonus, a.logprob_chunk)
+                            per, a.entropy_bonus, a.logprob_chunk, fsdp=n)
         lines.append(f"  on {card} GiB: " + (f"{fit} rows per forward" if fit >= 1 else "does not fit at 1 row"))
     return "\n".join(lines)
 

@@ -181,7 +181,9 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
              (["--model", str(tmp_path / "odd")], "has no num_hidden_layers"),
              (["--model", str(tmp_path / "model"), "--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),
              (["--model", str(tmp_path / "model"), "--num-minibatches", "3"], "does not divide"),
-             (["--model", str(tmp_path / "model"), "--num-generations", "1"], "must be at least 2")]  # train.py's rule
+             (["--model", str(tmp_path / "model"), "--num-generations", "1"], "must be at least 2"),  # train.py's rule
+             (["--model", str(tmp_path / "model"), "--fsdp", "2", "--lora-rank", "8"], "train.py refuses it"),
+             (["--model", str(tmp_path / "model"), "--fsdp", "3"], "--num-prompts 16 over 3 processes")]
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
     cases.append((["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model"))
     for argv, message in cases:
@@ -210,6 +212,29 @@ def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies(tiny_pol
     assert memory.sharded(e, 4, s, compute_bytes=4)["gathered for generation"] == 4 * s.params
     assert memory.sharded_total(memory.sharded(e, 8, s)) < memory.sharded_total(per) < memory.total(e)
     assert memory.fsdp_table(8) in (ROOT / "docs" / "reference.md").read_text()
+
+
+def test_your_model_under_fsdp_is_estimated_per_card(tiny_policy_dir, capsys):
+    """--model DIR --fsdp N was read as one process's estimate: per card now, over each process's P/N prompts' rows,
+    the larger of the update's and generation's phases, and the rows that fit by that peak (Qwen2.5-7B over 8)."""
+    import re
+
+    from tools import memory
+
+    s = memory.LARGE[2]
+    text = memory.for_shape(memory.MemoryArgs(model=s.name, fsdp=8), s)
+    e = memory.estimate(s, 4, 406, 256, 0.0, False)  # 16 prompts / 8 x 8 completions / 4 minibatches = 4 rows
+    card = memory.sharded(e, 8, s, 2)
+    shown = {m[1]: float(m[2]) for m in re.finditer(r"^  ([a-z][\w' :]*?) +([\d.]+) GiB", text, re.M)}
+    assert "per card under --fsdp over 8 processes" in text and "one micro-batch of 4 rows" in text
+    assert shown["weights"] == round(card["weights"] / memory.GiB, 2) == round(e["weights"] / 8 / memory.GiB, 2)
+    assert shown["peak"] == round(memory.card_peak(e, s, 8, 2) / memory.GiB, 2) < memory.total(e) / memory.GiB
+    assert shown["phase: generation"] == round(memory.models.generation_bytes(card) / memory.GiB, 2)
+    fits = [memory.rows_that_fit(s, c, 4, 406, 256, 0.0, False, fsdp=8) for c in memory.CARDS]
+    assert fits == [0, 4, 4]  # the docs' table: no / 4 / 4
+    assert "on 24 GiB: does not fit at 1 row" in text and "on 48 GiB: 4 rows per forward" in text
+    memory.main(["--model", str(tiny_policy_dir), "--fsdp", "2"])  # a folder: the same path, one line of settings
+    assert "per card under --fsdp over 2 processes" in capsys.readouterr().out
 
 
 def test_a_lora_run_folder_is_estimated_as_its_base_model_at_the_adapters_rank(tmp_path, tiny_policy_dir, capsys):
