@@ -54,6 +54,7 @@ class World:
     distributed: bool = False  # in a process group (torchrun), even of one process: train through DDP
     ddp_model: torch.nn.Module | None = None  # the DistributedDataParallel wrapper the update trains through
     sharded: torch.nn.Module | None = None  # under --fsdp: the policy, sharded in place (fully_shard)
+    device: torch.device | None = None  # under torchrun: this rank's device (its GPU under NCCL, else the CPU)
 
     @property
     def main(self) -> bool:
@@ -152,7 +153,7 @@ class World:
 
     def wrap(self, policy: torch.nn.Module, fsdp: bool = False) -> None:
         if self.distributed and fsdp:
-            self.sharded = shard(policy)
+            self.sharded = shard(policy, device=self.device)
         elif self.distributed:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -162,9 +163,11 @@ class World:
 SINGLE = World()
 
 
-def shard(model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
+def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | None = None) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
-    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients.
+    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients. On `device` (the rank's, World.
+    device; None: FSDP's default, a GPU where there is one): a model still on the CPU (start_run loads it there under
+    --fsdp) goes to it one unit at a time as each is sharded, so no card ever holds the whole model at once.
 
     Under bf16 (model.compute_in: autocast over fp32 weights) a layer's linear weights are gathered in bf16, what
     autocast casts them to anyway, and their gradients reduce-scattered in fp32 (FSDP's MixedPrecisionPolicy, inputs
@@ -174,10 +177,13 @@ def shard(model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
     gathered weight, which FSDP frees after the forward and gathers again for the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     inner = getattr(model, "module", model)
+    mesh = None if device is None else init_device_mesh(device.type, (dist.get_world_size(),))
     for unit, dtype in _units_to_make(inner):
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        fully_shard(unit, mp_policy=mixed if dtype else MixedPrecisionPolicy())
+        fully_shard(unit, mesh=mesh, mp_policy=mixed if dtype else MixedPrecisionPolicy())
     if frozen:
         inner.requires_grad_(False)
     return inner
@@ -285,17 +291,18 @@ def setup(device: str, timeout_min: float = 30.0) -> World:
     A rank that waits longer than `timeout_min` in a collective (another rank hung) raises instead of hanging."""
     if not launched():
         return SINGLE
-    if dist.is_initialized():  # a second train() call in the same processes (tests)
-        return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()
+    mine = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    if dist.is_initialized():  # a second train() call in the same processes (tests)
+        return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True, device=mine)
     if on_gpu:
         torch.cuda.set_device(local)  # 'cuda' now means this rank's GPU
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=timeout_min),
                             device_id=torch.device("cuda", local) if on_gpu else None)  # NCCL set-up errors now
     if dist.get_rank() != 0:  # rank 0 speaks for all; errors still reach stderr from every rank
         sys.stdout = open(os.devnull, "w")
-    return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True)
+    return World(dist.get_rank(), dist.get_world_size(), _cpu_group(), distributed=True, device=mine)
 
 
 _CPU_GROUP = None

@@ -130,8 +130,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_policy(args, path: Path | None = None):
-    """The starting policy of --model, or the model saved at `path` (a checkpoint), on the chosen device."""
+def load_policy(args, path: Path | None = None, host: bool = False):
+    """The starting policy of --model, or the model saved at `path` (a checkpoint), on the chosen device (`host`: on
+    the CPU, for ddp.shard to take to the device one unit at a time)."""
     device = models.pick_device(args.device)
     dtype = models.pick_dtype(device, args.dtype)  # what forwards compute in; a full fine-tune keeps fp32 weights
     name = str(path) if path else args.model
@@ -142,7 +143,8 @@ def load_policy(args, path: Path | None = None):
                   f"cached in {models.cache_root()})", flush=True)
         name = str(models.warm_start(seed=args.seed, settings=settings))
     try:
-        policy, tokenizer = models.load_model(name, device, dtype if args.lora_rank else torch.float32)
+        policy, tokenizer = models.load_model(name, torch.device("cpu") if host else device,
+                                              dtype if args.lora_rank else torch.float32)
         policy = models.compute_in(policy, dtype)  # LoRA: a bf16 base (its fp32 adapter is what trains)
         return (models.head_in_fp32(policy) if args.cast_lm_head_to_fp32 else policy), tokenizer
     except models.ModelError as e:
@@ -275,7 +277,8 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
                                               world.size if args.fsdp else 1)
             # a checkpoint's model, or --model's (under LoRA the adapter goes on top; under --fsdp the shards do)
             whole = state and not args.lora_rank and not state.get("sharded")
-            policy, tokenizer = load_policy(args, resume_from / "model" if whole else None)
+            host = bool(args.fsdp and world.distributed and args.total_steps)  # sharded below, a unit at a time
+            policy, tokenizer = load_policy(args, resume_from / "model" if whole else None, host)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                          adapter=resume_from / "model" if state else None, seed=args.seed)
@@ -290,7 +293,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if reference and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
         elif reference:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
-            ref_policy = models.frozen_reference(load_policy(args)[0] if whole else copy.deepcopy(policy))
+            ref_policy = models.frozen_reference(load_policy(args, host=host)[0] if whole else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()
@@ -305,7 +308,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             models.linears_as_computed(policy)  # master copy (bf16: half the memory, the same scores); each rank
             # holds the whole model, as --fsdp's generation gathers it anyway
         if world.sharded is not None and ref_policy is not None:
-            ddp.shard(ref_policy, frozen=True)
+            ddp.shard(ref_policy, frozen=True, device=world.device)
         trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
         # on a GPU the fused AdamW (transformers' default optimizer too): one kernel, no temporaries of the weights' size
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
