@@ -21,7 +21,7 @@ layer's weights just before it runs and frees them after; the backward reduce-sc
 averaged over ranks as DDP's are, so the same x N scaling gives the union's gradient. Generation gathers the whole
 model once per rollout (`gathered`), not once per token, and no collective runs inside generate, so ranks that
 stop at different lengths do not wait on each other. bf16 stays autocast over the fp32 shards (as in one process),
-with each layer's linear weights gathered in bf16 (`shard`): what autocast casts them to, half the bytes.
+with each layer's linear weights gathered in bf16 (`shard`): what autocast casts them to, in half the bytes.
 
 A single process (no torchrun) is the world of size 1: every method here then returns its input unchanged.
 """
@@ -175,9 +175,8 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
     fp32 as autocast reads them. So the same numbers are computed from 2 gathered bytes per linear weight, not 4,
     and no bf16 copy of a layer outlives its forward: the copy autocast would make and keep for the backward is the
     gathered weight, which FSDP frees after the forward and gathers again for the backward."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = getattr(model, "module", model)
     mesh = None if device is None else init_device_mesh(device.type, (dist.get_world_size(),))
