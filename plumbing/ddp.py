@@ -193,10 +193,12 @@ def _units_to_make(inner: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.
     dtype = getattr(inner, "autocast_dtype", None)  # bf16 (model.compute_in), or None: fp32 throughout
     units = []
     for layer in inner.get_decoder().layers:
-        if dtype is not None:  # the norms: units of their own, gathered in fp32 as autocast computes with them
-            units += [(sub, None) for sub in layer.modules() if sub is not layer and not isinstance(
-                sub, torch.nn.Linear) and next(sub.parameters(recurse=False), None) is not None]
-        units.append((layer, dtype))
+        if dtype is None or next(layer.parameters(recurse=False), None) is not None:  # (a weight of the layer's own:
+            units.append((layer, None))  # which op reads it is unknown, so it is gathered as stored)
+            continue
+        units += [(sub, None) for sub in layer.modules() if sub is not layer and not isinstance(sub, torch.nn.Linear)
+                  and next(sub.parameters(recurse=False), None) is not None]  # the norms: fp32, as autocast reads
+        units.append((layer, dtype))  # its linear layers, in the compute dtype
     return units + [(inner, None)]
 
 

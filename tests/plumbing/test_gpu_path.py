@@ -269,7 +269,8 @@ def test_bf16_forwards_compute_in_bf16_under_autocast(tiny_policy_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fsdp_gathers_bf16_runs_linear_weights_at_2_bytes(tiny_policy_dir, dtype):
     """What --fsdp's generation gathers on each rank (ddp.gathered_bytes, the start-up line's count): a decoder
-    layer's linear weights at 2 bytes under bf16, everything else (embeddings, head, norms) at 4; all at 4 in fp32."""
+    layer's linear weights at 2 bytes under bf16, everything else (embeddings, head, norms) at 4; all at 4 in fp32;
+    and shard's rule for a layer with a weight of its own."""
     policy, _ = runs.load_policy(runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir),
                                                             "dtype": dtype}))[0])
     layers = policy.get_decoder().layers
@@ -278,6 +279,11 @@ def test_fsdp_gathers_bf16_runs_linear_weights_at_2_bytes(tiny_policy_dir, dtype
     assert 0 < linear < everything
     per_linear = 2 if dtype == "bfloat16" else 4
     assert ddp.gathered_bytes(policy) == linear * per_linear + (everything - linear) * 4
+    # a weight of a layer's own (no model here has one): which op reads it is unknown, so that layer is gathered as
+    # stored, its linear weights at 4 bytes too
+    first = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    layers[0].register_parameter("scale", torch.nn.Parameter(torch.ones(4)))
+    assert ddp.gathered_bytes(policy) == (linear - first) * per_linear + (everything - linear + first + 4) * 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
