@@ -154,18 +154,23 @@ def sharded_resident(parts: dict[str, float], n: int, counts: Counts, compute_by
     moments and the reference split n ways. Whole on every card: the root (embeddings, head, final norm) and the
     norms gathered in fp32 for the update; in bf16, autocast's copy of the head alone (each layer's linear weights
     are gathered in bf16 and freed after its forward, so no copy of them is kept); and, while it samples, the whole
-    model gathered, the layers' linear weights in the compute precision and the rest in fp32. FSDP's buffers for
-    the one or two layers gathered at a time are not counted."""
+    model gathered, the layers' linear weights in the compute precision and the rest in fp32, and the root's
+    all-gather buffer, which FSDP holds until it has copied the root's weights out of it (the largest unit; measured:
+    `python -m tools.memory --measure --fsdp 2`). FSDP's buffers for the layers gathered one or two at a time in the
+    update are not counted."""
     rest = counts.params - counts.layer_linear
     return {**{k: v / n if k in SPLIT_BY_FSDP else v for k, v in parts.items()},
             "autocast copies": compute_bytes * counts.head if compute_bytes < 4 else 0.0, "gathered root": 4 * rest,
-            "gathered for generation": 4 * rest + compute_bytes * counts.layer_linear}
+            "gathered for generation": 4 * rest + compute_bytes * counts.layer_linear, "gather buffer": 4 * rest}
+
+
+GENERATION = ("gathered for generation", "gather buffer")  # sharded_resident's parts that sampling alone holds
 
 
 def generation_bytes(parts: dict[str, float]) -> float:
-    """What a card holds while it samples under --fsdp: the gathered model beside the shards of the weights, AdamW
-    moments and reference (the gradients are freed, no autocast copy is made)."""
-    return parts["gathered for generation"] + sum(parts.get(k, 0.0) for k in ("weights", "AdamW moments", "reference"))
+    """What a card holds while it samples under --fsdp: the gathered model (and the buffer it came through) beside
+    the shards of the weights, AdamW moments and reference (the gradients are freed, no autocast copy is made)."""
+    return sum(parts.get(k, 0.0) for k in (*GENERATION, "weights", "AdamW moments", "reference"))
 
 
 def parameter_counts(name: str) -> Counts | None:
@@ -212,7 +217,7 @@ def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, 
     need, where = sum(parts.values()), "on the device"
     if shards > 1:
         parts = sharded_resident(parts, shards, counts, compute_bytes)
-        need = max(sum(v for k, v in parts.items() if k != "gathered for generation"), generation_bytes(parts))
+        need = max(sum(v for k, v in parts.items() if k not in GENERATION), generation_bytes(parts))
         where = f"per card under --fsdp over {shards} processes"
     if need > free:
         detail = ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if v)

@@ -6,6 +6,8 @@
                                 # vocabulary, random weights) on this machine in six set-ups (CHECKS), each measured
                                 # peak beside its estimate; --device cuda on a GPU
     python -m tools.memory --measure-chunking   # whole logits against chunked log-probs (--logprob-chunk), measured
+    python -m tools.memory --measure --fsdp 2   # the same model sharded over 2 CPU processes (gloo): each rank's
+                                # update and gathered model, measured beside the per-card estimate
     python -m tools.memory --fsdp 8   # per card under --fsdp over 8 processes, for 1.5B-8B models at the defaults
                                 # (with --model PATH: that model's, at your settings)
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
@@ -507,6 +509,89 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
             "estimated phases": phases(e), "params": sum(p.numel() for p in policy.parameters())}
 
 
+def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, completion: int = 512,
+                           dtype: str = "bfloat16", **_) -> dict:
+    """In one rank of `torchrun --nproc-per-node N python -m tools.memory --worker ...` on CPUs (gloo): measure_update's
+    model sharded as train.py --fsdp shards it (ddp.shard), a warm-up update, then train.update over 4 x `rows` rows
+    of this rank's in micro-batches of `rows`, and the whole model gathered as generation gathers it. Returns this
+    rank's measured peaks of the two (tensor memory: Peak) beside the per-card estimate's (sharded, card_peak)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rollout
+    import train
+    from plumbing import ddp, run as runs
+
+    world = ddp.setup("cpu")
+    compute = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **config, max_position_embeddings=4096))
+    policy = models.compute_in(policy, compute)
+    world.wrap(policy, fsdp=True)
+    policy.train()
+    args, cfg = runs.resolve(train.Args(algo="grpo", beta=0.0, num_minibatches=2, micro_batch_size=rows,
+                                        old_logprobs="recompute", max_new_tokens=completion))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def update(n: int, width: int) -> None:
+        ids = torch.randint(config["vocab_size"], (n, prompt + width))
+        ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
+                             torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+        train.update(policy, None, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
+                     torch.Generator().manual_seed(0), world)
+
+    update(4, 8)  # the warm-up: AdamW's moments exist after it
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in
+             [*policy.parameters(), *(v for state in opt.state.values() for v in state.values() if torch.is_tensor(v))]]
+    peak = Peak(torch.device("cpu"), sum(t.untyped_storage().nbytes() for t in local))
+    peak.reset()
+    update(4 * rows, completion)
+    measured_update = peak.read()
+    peak.reset()
+    with world.gathered(policy):  # generation's model, beside the shards (the gradients freed)
+        measured_generation = peak.read()
+    c, s = torch.finfo(compute).bits // 8, shape_of_config(config, "Qwen2-shaped")
+    card = sharded(estimate(s, rows, prompt + completion, completion, 0.0, False, compute_bytes=c, device="cpu"),
+                   world.size, s, c)
+    out = {"rank": world.rank, "processes": world.size, "update": measured_update, "generation": measured_generation,
+           "update estimate": total(card), "generation estimate": models.generation_bytes(card)}
+    world.barrier()
+    ddp.teardown()
+    return out
+
+
+def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, completion: int = 512,
+                    dtype: str = "bfloat16", timeout: float = 1200) -> list[dict]:
+    """measure_sharded_update under torchrun with n CPU processes (gloo); prints each rank's row."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    job = dict(config=config, rows=rows, completion=completion, dtype=dtype, sharded=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           "-m", "tools.memory", "--worker", json.dumps(job)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"})
+    rows_out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(rows_out) != n:
+        raise SystemExit("error: the sharded memory check failed: "
+                         f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    print(sharded_header(n, config, rows, completion, dtype))
+    for r in sorted(rows_out, key=lambda r: r["rank"]):
+        print(f"| rank {r['rank']} | {r['update'] / GiB:.2f} / {r['update estimate'] / GiB:.2f} GiB "
+              f"({r['update estimate'] / r['update']:.2f}) | {r['generation'] / GiB:.2f} / "
+              f"{r['generation estimate'] / GiB:.2f} GiB ({r['generation estimate'] / r['generation']:.2f}) |")
+    return rows_out
+
+
+def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str) -> str:
+    return (f"| --fsdp over {n} CPU processes (gloo), {config['num_hidden_layers']} layers of h {config['hidden_size']}, "
+            f"vocab {config['vocab_size']}, {dtype}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens per "
+            "process | update: measured / estimate | generation's gathered model: measured / estimate |\n|---|---|---|")
+
+
 def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat16", rows: int = 4,
             completion: int = 512, checks=CHECKS, timeout: float = 900, logprob_chunk: int = 0,
             quiet: bool = False) -> list[dict]:
@@ -756,7 +841,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     if a.worker:
-        print(json.dumps(measure_update(**json.loads(a.worker))))
+        job = json.loads(a.worker)
+        if job.pop("sharded", False):  # a rank of measure_sharded's torchrun: every rank prints its own line
+            result = measure_sharded_update(**job)
+            sys.stdout = sys.__stdout__  # (ddp.setup sent the other ranks' stdout to /dev/null)
+            print(json.dumps(result), flush=True)
+        else:
+            print(json.dumps(measure_update(**job)))
+    elif a.measure and a.fsdp > 1:
+        measure_sharded(a.fsdp, dtype=a.dtype)
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))
     elif a.measure_chunking:

@@ -128,14 +128,15 @@ def test_under_fsdp_the_refusal_counts_one_card_s_share(monkeypatch):
     """--fsdp over N processes: the fp32 weights, gradients, AdamW moments and reference are split N ways; the root
     (embeddings, head, norms) is gathered in fp32 for the update beside autocast's bf16 copy of the head; generation
     gathers the whole model, its layers' linear weights in bf16 and the rest in fp32, beside the weights' and
-    moments' shards. A Qwen2.5-7B-shaped model (bf16, β 0) over 4 cards: the larger of the update's 16P/4 + 2 head
-    + 4 rest and generation's 12P/4 + 4 rest + 2 layer_linear, not one card's 18P."""
+    moments' shards, and the root's all-gather buffer. A Qwen2.5-7B-shaped model (bf16, β 0) over 4 cards: the larger
+    of the update's 16P/4 + 2 head + 4 rest and generation's 12P/4 + 4 rest + 2 layer_linear + 4 rest, not one
+    card's 18P."""
     import model as models
 
     counts = models.Counts(params=7.62e9, linear=7.07e9, layer_linear=6.52e9, head=0.545e9)
     rest = counts.params - counts.layer_linear
     update = 4 * counts.params + 2 * counts.head + 4 * rest
-    generation = 3 * counts.params + 4 * rest + 2 * counts.layer_linear
+    generation = 3 * counts.params + 4 * rest + 2 * counts.layer_linear + 4 * rest
     assert generation > update
     monkeypatch.setattr(models, "parameter_counts", lambda name: counts)
     cuda = torch.device("cuda")

@@ -1,6 +1,7 @@
 """memory.py: the paper estimate of an RL step's memory, and the measurement that checks it."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -194,7 +195,8 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
 
 def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies(tiny_policy_dir):
     """--fsdp N: weights, gradients and AdamW moments per card are 1/N of one process's; the root gathered in fp32,
-    autocast's bf16 copy of the head and generation's gathered model (the layers' linear weights in bf16) are whole;
+    autocast's bf16 copy of the head, generation's gathered model (the layers' linear weights in bf16) and the root's
+    all-gather buffer are whole;
     a Shape's counts are parameter_counts' (a bias-free model); the docs' table is the one the tool prints."""
     from tools import memory
     import model as models
@@ -208,7 +210,7 @@ def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies(tiny_pol
     rest = s.params - s.counts.layer_linear  # embeddings, head and norms: 1.1B of Qwen2.5-7B's 7.6B
     assert 1.0e9 < rest < 1.2e9 and per["gathered root"] == 4 * rest
     assert per["autocast copies"] == 2 * s.vocab * s.hidden < e["autocast copies"]
-    assert per["gathered for generation"] == 4 * rest + 2 * s.counts.layer_linear
+    assert per["gathered for generation"] == 4 * rest + 2 * s.counts.layer_linear and per["gather buffer"] == 4 * rest
     assert memory.sharded(e, 4, s, compute_bytes=4)["gathered for generation"] == 4 * s.params
     assert memory.sharded_total(memory.sharded(e, 8, s)) < memory.sharded_total(per) < memory.total(e)
     assert memory.fsdp_table(8) in (ROOT / "docs" / "reference.md").read_text()
@@ -353,3 +355,21 @@ def test_the_measured_tables_carry_today_s_estimates():
     ratios = [float(y) / float(x) for _, _, u, _, p in rows for x, y in (u[:-4].split(" / "), p[:-4].split(" / "))]
     low, high = (float(x) for x in summary.rsplit("measured ", 1)[1].rstrip(").").split("-"))
     assert abs(low - min(ratios)) < 0.011 and abs(high - max(ratios)) < 0.011, (summary, ratios)
+
+
+def test_the_measured_sharded_table_carries_today_s_estimates():
+    """docs/reference.md's `--measure --fsdp 2` table: each rank's estimates are today's per-card update and
+    generation (the root's all-gather buffer included), and each ratio follows from its row."""
+    from tools import memory
+    import model as models
+
+    lines, gib = (ROOT / "docs" / "reference.md").read_text().splitlines(), 2**30
+    *rows, _ = table_after(lines, memory.sharded_header(2, memory.SMALL_QWEN, 4, 512, "bfloat16").splitlines()[0])
+    s = memory.shape_of_config(memory.SMALL_QWEN, "Qwen2-shaped")
+    card = memory.sharded(memory.estimate(s, 4, 576, 512, 0.0, False, compute_bytes=2, device="cpu"), 2, s, 2)
+    assert [r[0] for r in rows] == ["rank 0", "rank 1"]
+    for _, update, generation in rows:
+        for cell, estimate in ((update, memory.total(card)), (generation, models.generation_bytes(card))):
+            measured, estimated, ratio = re.match(r"([\d.]+) / ([\d.]+) GiB \(([\d.]+)\)", cell).groups()
+            assert estimated == f"{estimate / gib:.2f}", (cell, estimate / gib)
+            assert abs(float(ratio) - estimate / gib / float(measured)) < 0.011, cell
