@@ -756,6 +756,9 @@ def check(a: MemoryArgs) -> None:
         raise EstimateError(f"--beta {a.beta}: must be 0 or more")
     if a.fsdp < 0:
         raise EstimateError(f"--fsdp {a.fsdp}: must be 0 (one device) or the number of processes")
+    if a.measure and a.fsdp > 1 and a.device != "cpu":
+        raise EstimateError("--measure --fsdp runs on CPU processes (gloo) only; on GPUs, tests/gpu_check.py's sharded "
+                            "run prints each rank's peak")
     if a.fsdp > 1 and a.lora_rank:  # as train.py
         raise EstimateError("--fsdp with --lora-rank: train.py refuses it (a LoRA adapter is small: use data parallel, "
                             "whose estimate per card is one process's)")

@@ -184,7 +184,8 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
              (["--model", str(tmp_path / "model"), "--num-minibatches", "3"], "does not divide"),
              (["--model", str(tmp_path / "model"), "--num-generations", "1"], "must be at least 2"),  # train.py's rule
              (["--model", str(tmp_path / "model"), "--fsdp", "2", "--lora-rank", "8"], "train.py refuses it"),
-             (["--model", str(tmp_path / "model"), "--fsdp", "3"], "--num-prompts 16 over 3 processes")]
+             (["--model", str(tmp_path / "model"), "--fsdp", "3"], "--num-prompts 16 over 3 processes"),
+             (["--measure", "--fsdp", "2", "--device", "cuda"], "CPU processes (gloo) only")]
     env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
     cases.append((["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model"))
     for argv, message in cases:
