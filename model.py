@@ -147,20 +147,23 @@ class Counts(NamedTuple):
     linear: float  # those of linear layers not tied to the embeddings (frozen_reference stores them as computed)
     layer_linear: float  # those of the decoder layers' linear layers (--fsdp gathers them in the compute precision)
     head: float  # the output head's weight, vocabulary x hidden, tied to the embeddings or not
+    layers: int  # decoder layers
 
 
 def sharded_resident(parts: dict[str, float], n: int, counts: Counts, compute_bytes: int) -> dict[str, float]:
     """resident_bytes' parts per card under --fsdp over n processes (ddp.shard): the fp32 weights, gradients, AdamW
     moments and the reference split n ways. Whole on every card: the root (embeddings, head, final norm) and the
     norms gathered in fp32 for the update; in bf16, autocast's copy of the head alone (each layer's linear weights
-    are gathered in bf16 and freed after its forward, so no copy of them is kept); and, while it samples, the whole
-    model gathered, the layers' linear weights in the compute precision and the rest in fp32, and the root's
-    all-gather buffer, which FSDP holds until it has copied the root's weights out of it (the largest unit; measured:
-    `python -m tools.memory --measure --fsdp 2`). FSDP's buffers for the layers gathered one or two at a time in the
-    update are not counted."""
-    rest = counts.params - counts.layer_linear
+    are gathered in bf16 and freed after its forward, so no copy of them is kept); FSDP's buffers for the layers in
+    flight in the update (two gathered, the one computing and the next, and an all-gather buffer, in the compute
+    precision; one layer's gradient in it and in fp32 for its reduce-scatter); and, while it samples, the whole model
+    gathered, the layers' linear weights in the compute precision and the rest in fp32, and the root's all-gather
+    buffer, which FSDP holds until it has copied the root's weights out of it (the largest unit). Measured on CPUs:
+    `python -m tools.memory --measure --fsdp 2`."""
+    rest, layer = counts.params - counts.layer_linear, counts.layer_linear / max(counts.layers, 1)
     return {**{k: v / n if k in SPLIT_BY_FSDP else v for k, v in parts.items()},
             "autocast copies": compute_bytes * counts.head if compute_bytes < 4 else 0.0, "gathered root": 4 * rest,
+            "layers in flight": layer * (4 * compute_bytes + 4),
             "gathered for generation": 4 * rest + compute_bytes * counts.layer_linear, "gather buffer": 4 * rest}
 
 
@@ -194,8 +197,9 @@ def parameter_counts(name: str) -> Counts | None:
     def linear_in(module):
         return sum(p.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) not in
                    embeddings for p in m.parameters())
-    return Counts(sum(p.numel() for p in model.parameters()), linear_in(model), linear_in(model.get_decoder().layers),
-                  model.get_output_embeddings().weight.numel())
+    layers = model.get_decoder().layers
+    return Counts(sum(p.numel() for p in model.parameters()), linear_in(model), linear_in(layers),
+                  model.get_output_embeddings().weight.numel(), len(layers))
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -82,7 +82,7 @@ class Shape:
     def counts(self) -> models.Counts:
         """model.parameter_counts' numbers; the decoder layers' linear weights from the widths (biases left out)."""
         per_layer = self.hidden * (2 * self.q + 2 * self.kv + 3 * self.intermediate)  # q, k, v, o, the SwiGLU MLP
-        return models.Counts(self.params, self.linear, self.layers * per_layer, self.vocab * self.hidden)
+        return models.Counts(self.params, self.linear, self.layers * per_layer, self.vocab * self.hidden, self.layers)
 
 
 # Qwen2.5 instruct models (their config.json: hidden_size, intermediate_size, num_hidden_layers, num_key_value_heads x
@@ -168,7 +168,7 @@ def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bon
 
 
 RESIDENT = ("weights", "autocast copies", "gradients", "AdamW moments", "reference", "adapter",  # while it trains
-            "gathered root")  # (--fsdp)
+            "gathered root", "layers in flight")  # (--fsdp)
 PHASES = {  # the parts each phase holds at once (model.resident_bytes' parts, and the transients here)
     "update": (*RESIDENT, "activations", "logits"),  # a micro-batch's forward and its log-prob path's backward
     "layers' backward": (*RESIDENT, "activations", "recomputed layer", "embedding gradient"),  # log-prob path freed
@@ -291,6 +291,8 @@ def fits_table(minibatch: int = 32, prompt: int = 150, completion: int = 256, be
 # their config.json's numbers, random weights, nothing downloaded
 SMALL_QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+SHARDED_CHECKS = [SMALL_QWEN, dict(SMALL_QWEN, num_hidden_layers=8, vocab_size=32000)]  # --measure --fsdp: a root
+# (Qwen's vocabulary) that outweighs 2 layers, and 8 layers that outweigh a 32,000-token vocabulary
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 CHECKS = [("full fine-tune", False, 0, 0.0, False), ("full fine-tune", False, 0, 0.04, False),
@@ -587,8 +589,9 @@ def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, comple
 
 
 def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str) -> str:
-    return (f"| --fsdp over {n} CPU processes (gloo), {config['num_hidden_layers']} layers of h {config['hidden_size']}, "
-            f"vocab {config['vocab_size']}, {dtype}: 2 x 2 micro-batches of {rows} rows x {64 + completion} tokens per "
+    return (f"| --fsdp over {n} CPU processes (gloo), {config['num_hidden_layers']} layers of h "
+            f"{config['hidden_size']}, vocab {config['vocab_size']}, {dtype}: 2 x 2 micro-batches of {rows} rows x "
+            f"{64 + completion} tokens per "
             "process | update: measured / estimate | generation's gathered model: measured / estimate |\n|---|---|---|")
 
 
@@ -808,8 +811,8 @@ def for_shape(a: MemoryArgs, s: Shape) -> str:
     lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(card).items()]
     if n > 1:
         lines.append(f"  phase: {'generation':<16} {models.generation_bytes(card) / GiB:7.2f} GiB")
-    lines.append(f"  {'peak':<{width}} {card_peak(parts, s, n, per) / GiB:7.2f} GiB (the largest phase; leave {MARGIN:.0%} "
-                 "of a card for the CUDA context and the allocator's cache)")
+    lines.append(f"  {'peak':<{width}} {card_peak(parts, s, n, per) / GiB:7.2f} GiB (the largest phase; leave "
+                 f"{MARGIN:.0%} of a card for the CUDA context and the allocator's cache)")
     for card in CARDS:
         fit = rows_that_fit(s, card, rows, tokens, a.max_new_tokens, a.beta, a.gradient_checkpointing, a.lora_rank,
                             per, a.entropy_bonus, a.logprob_chunk, fsdp=n)
@@ -852,7 +855,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(json.dumps(measure_update(**job)))
     elif a.measure and a.fsdp > 1:
-        measure_sharded(a.fsdp, dtype=a.dtype)
+        for config in SHARDED_CHECKS:
+            measure_sharded(a.fsdp, config, dtype=a.dtype)
+            print()
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))
     elif a.measure_chunking:

@@ -129,13 +129,13 @@ def test_under_fsdp_the_refusal_counts_one_card_s_share(monkeypatch):
     (embeddings, head, norms) is gathered in fp32 for the update beside autocast's bf16 copy of the head; generation
     gathers the whole model, its layers' linear weights in bf16 and the rest in fp32, beside the weights' and
     moments' shards, and the root's all-gather buffer. A Qwen2.5-7B-shaped model (bf16, β 0) over 4 cards: the larger
-    of the update's 16P/4 + 2 head + 4 rest and generation's 12P/4 + 4 rest + 2 layer_linear + 4 rest, not one
-    card's 18P."""
+    of the update's 16P/4 + 2 head + 4 rest + 12 bytes a layer's weight (the layers in flight) and generation's 12P/4
+    + 4 rest + 2 layer_linear + 4 rest, not one card's 18P."""
     import model as models
 
-    counts = models.Counts(params=7.62e9, linear=7.07e9, layer_linear=6.52e9, head=0.545e9)
+    counts = models.Counts(params=7.62e9, linear=7.07e9, layer_linear=6.52e9, head=0.545e9, layers=28)
     rest = counts.params - counts.layer_linear
-    update = 4 * counts.params + 2 * counts.head + 4 * rest
+    update = 4 * counts.params + 2 * counts.head + 4 * rest + counts.layer_linear / 28 * (4 * 2 + 4)
     generation = 3 * counts.params + 4 * rest + 2 * counts.layer_linear + 4 * rest
     assert generation > update
     monkeypatch.setattr(models, "parameter_counts", lambda name: counts)
@@ -180,7 +180,7 @@ def test_parameter_counts_are_read_from_the_config_alone(tmp_path):
         head = 300 * 32 * (1 if config.tie_word_embeddings else 2)  # embeddings; an untied head, a linear layer
         layer_linear = linear - (0 if config.tie_word_embeddings else 300 * 32)
         assert models.parameter_counts(str(folder)) == (sum(p.numel() for p in model.parameters()), linear,
-                                                         layer_linear, 300 * 32)
+                                                         layer_linear, 300 * 32, 2)
         assert sum(p.numel() for p in model.parameters()) - layer_linear == head + 32 * (2 * 2 + 1)  # and the norms
     assert models.parameter_counts(str(tmp_path / "nothing-here")) is None
 

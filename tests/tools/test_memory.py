@@ -358,19 +358,25 @@ def test_the_measured_tables_carry_today_s_estimates():
     assert abs(low - min(ratios)) < 0.011 and abs(high - max(ratios)) < 0.011, (summary, ratios)
 
 
-def test_the_measured_sharded_table_carries_today_s_estimates():
-    """docs/reference.md's `--measure --fsdp 2` table: each rank's estimates are today's per-card update and
-    generation (the root's all-gather buffer included), and each ratio follows from its row."""
+def test_the_measured_sharded_tables_carry_today_s_estimates():
+    """docs/reference.md's `--measure --fsdp 2` tables, one per shape of SHARDED_CHECKS: each rank's estimates are
+    today's per-card update and generation (the layers in flight and the root's all-gather buffer included), each
+    ratio follows from its row, and the range under the last table is the rows' range."""
     from tools import memory
     import model as models
 
-    lines, gib = (ROOT / "docs" / "reference.md").read_text().splitlines(), 2**30
-    *rows, _ = table_after(lines, memory.sharded_header(2, memory.SMALL_QWEN, 4, 512, "bfloat16").splitlines()[0])
-    s = memory.shape_of_config(memory.SMALL_QWEN, "Qwen2-shaped")
-    card = memory.sharded(memory.estimate(s, 4, 576, 512, 0.0, False, compute_bytes=2, device="cpu"), 2, s, 2)
-    assert [r[0] for r in rows] == ["rank 0", "rank 1"]
-    for _, update, generation in rows:
-        for cell, estimate in ((update, memory.total(card)), (generation, models.generation_bytes(card))):
-            measured, estimated, ratio = re.match(r"([\d.]+) / ([\d.]+) GiB \(([\d.]+)\)", cell).groups()
-            assert estimated == f"{estimate / gib:.2f}", (cell, estimate / gib)
-            assert abs(float(ratio) - estimate / gib / float(measured)) < 0.011, cell
+    lines, gib, ratios = (ROOT / "docs" / "reference.md").read_text().splitlines(), 2**30, []
+    for config in memory.SHARDED_CHECKS:
+        *rows, (after,) = table_after(lines, memory.sharded_header(2, config, 4, 512, "bfloat16").splitlines()[0])
+        s = memory.shape_of_config(config, "Qwen2-shaped")
+        card = memory.sharded(memory.estimate(s, 4, 576, 512, 0.0, False, compute_bytes=2, device="cpu"), 2, s, 2)
+        assert [r[0] for r in rows] == ["rank 0", "rank 1"]
+        for _, update, generation in rows:
+            for cell, estimate in ((update, memory.total(card)), (generation, models.generation_bytes(card))):
+                measured, estimated, ratio = re.match(r"([\d.]+) / ([\d.]+) GiB \(([\d.]+)\)", cell).groups()
+                assert estimated == f"{estimate / gib:.2f}", (config, cell, estimate / gib)
+                assert abs(float(ratio) - estimate / gib / float(measured)) < 0.011, cell
+                ratios.append(float(ratio))
+    low, high = (float(x) for x in re.search(r"\(([\d.]+)-([\d.]+)\)", after).groups())
+    assert (low, high) == (min(ratios), max(ratios)), after
+    assert f"within {max(1 - low, high - 1):.0%}" in after, after
