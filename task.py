@@ -138,7 +138,6 @@ def embedded_splits(name: str) -> tuple[list[Example], list[Example]] | None:
     return None
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The long variant (--dataset embedded-long): the same remainders, worked over 3 to 36 subtractions
 # ---------------------------------------------------------------------------------------------------------------

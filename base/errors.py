@@ -59,10 +59,7 @@ def one_line_errors(cleanup=lambda: None):
     try:
         yield
     except UserError as e:
-        report(e, rank)
-        if rank != 0 and not isinstance(e, PER_RANK):
-            wait_for_rank_zero()
-        sys.exit(2)
+        exit_with(e, rank)
     except RuntimeError as e:
         if not is_peer_failure(e):
             raise
@@ -87,6 +84,15 @@ def first_line(e: BaseException) -> str:
     """The gist of a collective's error: its first line without gloo's '[source.cc:123]' prefix."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
     return text.splitlines()[0][:120] if text else type(e).__name__
+
+
+def exit_with(e: UserError, rank: int) -> None:
+    """One `error:` line (report) and exit code 2; under torchrun a rank other than 0 leaves an error every rank
+    meets to rank 0 and waits for it (wait_for_rank_zero)."""
+    report(e, rank)
+    if rank != 0 and not isinstance(e, PER_RANK):
+        wait_for_rank_zero()
+    sys.exit(2)
 
 
 def wait_for_rank_zero(seconds: float = 10.0) -> None:

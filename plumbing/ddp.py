@@ -181,8 +181,9 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
     inner = getattr(model, "module", model)
     mesh = None if device is None else init_device_mesh(device.type, (dist.get_world_size(),))
     for unit, dtype in _units_to_make(inner):
-        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        fully_shard(unit, mesh=mesh, mp_policy=mixed if dtype else MixedPrecisionPolicy())
+        fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                                    cast_forward_inputs=False) if dtype else
+                    MixedPrecisionPolicy())
     if frozen:
         inner.requires_grad_(False)
     return inner

@@ -199,10 +199,8 @@ def parse(cli, description: str, argv: list[str] | None, program: str = "python 
             message = f"{flag} {value!r} is not one of its choices; use one of {', '.join(ranked)}"
         elif message.startswith("Unrecognized options"):
             message = other_name(cli, argv) or with_suggestions(message, box.getvalue())
-        errors.report(ConfigError(f"{message} ({program} --help lists every flag)"), rank := ddp.rank())
-        if rank != 0:  # under torchrun every rank parses the same flags: rank 0 alone prints the line
-            errors.wait_for_rank_zero()
-        sys.exit(2)
+        # under torchrun every rank parses the same flags: rank 0 alone prints the line
+        errors.exit_with(ConfigError(f"{message} ({program} --help lists every flag)"), ddp.rank())
 
 
 def field_types(cli) -> dict[str, type]:

@@ -422,6 +422,18 @@ class Peak:
         return self.rss("VmHWM") - self.base
 
 
+def random_rollout(vocab: int, n: int, prompt: int, width: int):
+    """n rows of random tokens, `prompt` of prompt and `width` of completion, none truncated: what an update of the
+    memory checks trains on."""
+    import torch
+
+    import rollout
+
+    ids = torch.randint(vocab, (n, prompt + width))
+    return rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
+                           torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+
+
 def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: int = 512, beta: float = 0.0,
                    checkpointing: bool = False, lora_rank: int = 0, entropy_bonus: bool = False,
                    dtype: str = "bfloat16", device: str = "cpu", model_type: str = "qwen2",
@@ -459,9 +471,7 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
     def rollout_of(n: int, width: int):
-        ids = torch.randint(config["vocab_size"], (n, prompt + width))
-        return rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
-                               torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+        return random_rollout(config["vocab_size"], n, prompt, width)
 
     def update(n: int, width: int) -> None:
         ro = rollout_of(n, width)
@@ -520,7 +530,6 @@ def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, comple
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import rollout
     import train
     from plumbing import ddp, run as runs
 
@@ -537,9 +546,7 @@ def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, comple
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
     def update(n: int, width: int) -> None:
-        ids = torch.randint(config["vocab_size"], (n, prompt + width))
-        ro = rollout.Rollout(ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
-                             torch.ones(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+        ro = random_rollout(config["vocab_size"], n, prompt, width)
         train.update(policy, None, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
                      torch.Generator().manual_seed(0), world)
 
@@ -805,12 +812,12 @@ def for_shape(a: MemoryArgs, s: Shape) -> str:
     lines = [f"{s.name}: {s.params / 1e6:.1f}M parameters, {s.layers} layers, hidden {s.hidden}, vocab {s.vocab}; "
              f"{setup}{', entropy bonus' if a.entropy_bonus else ''}, {a.dtype}, β={a.beta}; one micro-batch of {rows} "
              f"rows x {tokens} tokens" + ("" if a.micro_batch_size else " (--micro-batch-size 0: a whole minibatch)")]
-    card = sharded(parts, n, s, per) if n > 1 else parts
-    width = max(18, *(len(k) for k, v in card.items() if v))  # (--fsdp: "gathered for generation")
-    lines += [f"  {k:<{width}} {v / GiB:7.2f} GiB" for k, v in card.items() if v]
-    lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(card).items()]
+    shown = sharded(parts, n, s, per) if n > 1 else parts  # (--fsdp: one card's share)
+    width = max(18, *(len(k) for k, v in shown.items() if v))  # (--fsdp: "gathered for generation")
+    lines += [f"  {k:<{width}} {v / GiB:7.2f} GiB" for k, v in shown.items() if v]
+    lines += [f"  phase: {k:<16} {v / GiB:7.2f} GiB" for k, v in phases(shown).items()]
     if n > 1:
-        lines.append(f"  phase: {'generation':<16} {models.generation_bytes(card) / GiB:7.2f} GiB")
+        lines.append(f"  phase: {'generation':<16} {models.generation_bytes(shown) / GiB:7.2f} GiB")
     lines.append(f"  {'peak':<{width}} {card_peak(parts, s, n, per) / GiB:7.2f} GiB (the largest phase; leave "
                  f"{MARGIN:.0%} of a card for the CUDA context and the allocator's cache)")
     for card in CARDS:
