@@ -29,6 +29,7 @@ A single process (no torchrun) is the world of size 1: every method here then re
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import gc
 import inspect
@@ -135,6 +136,25 @@ class World:
         if self.main:
             self.barrier()
 
+    def from_main(self, load):
+        """Under --fsdp: rank 0 alone runs `load` (reading the weights into host memory: (model, tokenizer)); every
+        other rank receives the model's skeleton (skeleton: its parameters and buffers on the meta device, no bytes)
+        and the tokenizer, and gets its shards from rank 0 when shard(from_rank0=True) shards it. So one process holds
+        the whole fp32 model in host memory, not every process of the machine. A UserError rank 0 meets (a model that
+        does not load) reaches every rank, which leaves the one line to rank 0."""
+        sent = [None]
+        if self.main:
+            try:
+                model, tokenizer = load()
+            except UserError as e:
+                sent[0] = e
+            else:
+                sent[0] = (skeleton(model), tokenizer)
+        dist.broadcast_object_list(sent, src=0, group=self.cpu_group)
+        if isinstance(sent[0], UserError):
+            raise sent[0]
+        return (model, tokenizer) if self.main else sent[0]
+
     def trainable(self, policy: torch.nn.Module) -> torch.nn.Module:
         """What the update's forward passes go through: the DDP wrapper (its backward all-reduces) or the policy."""
         return self.ddp_model if self.ddp_model is not None else policy
@@ -151,9 +171,9 @@ class World:
         return _gathered(self.sharded) if self.sharded is not None and policy is self.sharded else \
             contextlib.nullcontext()
 
-    def wrap(self, policy: torch.nn.Module, fsdp: bool = False) -> None:
+    def wrap(self, policy: torch.nn.Module, fsdp: bool = False, from_rank0: bool = False) -> None:
         if self.distributed and fsdp:
-            self.sharded = shard(policy, device=self.device)
+            self.sharded = shard(policy, device=self.device, from_rank0=from_rank0)
         elif self.distributed:
             device = next(policy.parameters()).device
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -163,7 +183,19 @@ class World:
 SINGLE = World()
 
 
-def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | None = None) -> torch.nn.Module:
+def skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and dtypes (no bytes):
+    everything else (config, generation config, the autocast and fp32-head forwards, tied weights) is copied."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | None = None,
+          from_rank0: bool = False) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
     (embeddings, final norm, head). A frozen model (the reference) keeps no gradients. On `device` (the rank's, World.
     device; None: FSDP's default, a GPU where there is one): a model still on the CPU (start_run loads it there under
@@ -174,16 +206,28 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
     left as they come); the layer's other parameters (its norms, each a unit of its own) and the root are gathered in
     fp32 as autocast reads them. So the same numbers are computed from 2 gathered bytes per linear weight, not 4,
     and no bf16 copy of a layer outlives its forward: the copy autocast would make and keep for the backward is the
-    gathered weight, which FSDP frees after the forward and gathers again for the backward."""
+    gathered weight, which FSDP frees after the forward and gathers again for the backward.
+
+    `from_rank0` (World.from_main): rank 0 holds the weights, the other ranks a skeleton; each rank's shards come from
+    rank 0, one tensor at a time, and so do the buffers (the rotary tables, not in a state dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inner = getattr(model, "module", model)
+    whole = inner.state_dict() if from_rank0 and dist.get_rank() == 0 else {}  # (rank 0's host tensors, kept)
     mesh = None if device is None else init_device_mesh(device.type, (dist.get_world_size(),))
     for unit, dtype in _units_to_make(inner):
         fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                                     cast_forward_inputs=False) if dtype else
                     MixedPrecisionPolicy())
+    if from_rank0:
+        if dist.get_rank() != 0:  # the skeleton's shards and buffers, allocated on the rank's device, unset
+            inner.to_empty(device=device or dist.distributed_c10d._get_pg_default_device())
+        set_model_state_dict(inner, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in inner.buffers():
+            dist.broadcast(buffer, src=0)
+        del whole
     if frozen:
         inner.requires_grad_(False)
     return inner

@@ -278,10 +278,17 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             # a checkpoint's model, or --model's (under LoRA the adapter goes on top; under --fsdp the shards do)
             whole = state and not args.lora_rank and not state.get("sharded")
             host = bool(args.fsdp and world.distributed and args.total_steps)  # sharded below, a unit at a time
-            policy, tokenizer = load_policy(args, resume_from / "model" if whole else None, host)
+
+            def starting(path: Path | None = None):  # under --fsdp rank 0 alone reads the weights, into host memory;
+                # the others get the model's skeleton and, as shard takes it to the devices, their shards from rank 0
+                return world.from_main(lambda: load_policy(args, path, host=True)) if host else load_policy(args, path)
+            if not host:  # (World.from_main is a collective, so every rank runs it at once, after this block)
+                policy, tokenizer = starting(resume_from / "model" if whole else None)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                          adapter=resume_from / "model" if state else None, seed=args.seed)
+        if host:
+            policy, tokenizer = starting(resume_from / "model" if whole else None)
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
             if args.enable_thinking:
                 flags.check_thinking(tokenizer, args.model)
@@ -293,7 +300,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if reference and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
         elif reference:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
-            ref_policy = models.frozen_reference(load_policy(args, host=host)[0] if whole else copy.deepcopy(policy))
+            ref_policy = models.frozen_reference(starting()[0] if whole else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()
@@ -303,12 +310,12 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             models.enable_checkpointing(policy)
         seed_everything(world.seed(args.seed))  # after loading: a warm start built just now must not shift the RNG
         if args.total_steps:  # torchrun: DDP (it checks every rank holds the same weights); --fsdp: sharded
-            world.wrap(policy, args.fsdp)
+            world.wrap(policy, args.fsdp, from_rank0=host)
         elif not args.lora_rank:  # an evaluation alone: no DDP gradient buckets (4 bytes a weight) and no fp32
             models.linears_as_computed(policy)  # master copy (bf16: half the memory, the same scores); each rank
             # holds the whole model, as --fsdp's generation gathers it anyway
         if world.sharded is not None and ref_policy is not None:
-            ddp.shard(ref_policy, frozen=True, device=world.device)
+            ddp.shard(ref_policy, frozen=True, device=world.device, from_rank0=host)
         trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapter
         # on a GPU the fused AdamW (transformers' default optimizer too): one kernel, no temporaries of the weights' size
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,

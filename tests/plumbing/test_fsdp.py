@@ -4,6 +4,7 @@ ordinary model, and what does not work yet is refused in one line."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,3 +218,32 @@ def test_bf16_gathers_linear_weights_in_bf16_and_computes_what_fp32_gathers_did(
     assert linear + rest == whole // 4 and linear > 0.8 * (linear + rest)
     assert mixed["counted"] == sum(mixed["gathered"].values())
     assert mixed["kept for backward"] == 0 and fp32["kept for backward"] == 2 * linear
+
+
+def test_rank_0_alone_reads_the_weights_and_a_model_that_does_not_load_is_one_line(tmp_path, tiny_policy_dir):
+    """Under --fsdp (World.from_main) rank 0 reads the model's weights into host memory and the other ranks receive a
+    skeleton and, as the model is sharded, their shards from it: with β 0.04 (the reference a copy of the starting
+    policy, sharded the same way) rank 0 loads --model once and rank 1 never, and the run finishes (that its numbers
+    are data parallel's: the run test above). A model that does not load, met by rank 0 alone, reaches rank 1 too:
+    one error line (rank 0's), exit 2, nothing written, rank 1 loading nothing."""
+    argv = ["--total-steps", "1", "--eval-every", "1", "--device", "cpu", "--fsdp", "--beta", "0.04"] + SMALL
+    seen = {}
+    bad = tmp_path / "bad-model"
+    shutil.copytree(tiny_policy_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    for name, model in (("good", tiny_policy_dir), ("bad", bad)):
+        (tmp_path / name).mkdir()
+        runs = tmp_path / f"{name}-runs"
+        code, out, err = finish(torchrun(2, "tests/plumbing/fsdp_loading.py", [
+            str(tmp_path / name), "--model", str(model), "--output-dir", str(runs)] + argv))
+        seen[name] = code, out, err, [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+    code, out, err, ranks = seen["good"]
+    assert code == 0, err[-3000:]
+    print("host high-water mark at the end of start-up and of the run, MiB (rank 0, rank 1):",
+          [(r["startup"] // 2**20, r["end"] // 2**20) for r in ranks])
+    assert ranks[0]["loaded"] == [str(tiny_policy_dir)] and ranks[1]["loaded"] == []
+    code, out, err, ranks = seen["bad"]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code != 0 and len(lines) == 1 and "could not load model" in lines[0], err[-3000:]
+    assert "another process" not in err and ranks[1]["loaded"] == []
+    assert not (tmp_path / "bad-runs").exists() or not any((tmp_path / "bad-runs").iterdir())

@@ -286,6 +286,31 @@ def test_fsdp_gathers_bf16_runs_linear_weights_at_2_bytes(tiny_policy_dir, dtype
     assert ddp.gathered_bytes(policy) == (linear - first) * per_linear + (everything - linear + first + 4) * 4
 
 
+def test_the_skeleton_other_ranks_receive_is_the_model_without_its_bytes(tiny_policy_dir):
+    """ddp.skeleton (what World.from_main sends under --fsdp): every parameter and buffer a meta tensor of the same
+    name, shape, dtype and trainability; a tied head still tied; the bf16 autocast and fp32-head forwards bound to
+    the copy; the generation config kept; and it survives pickling (broadcast_object_list), the original untouched."""
+    import pickle
+
+    args = runs.resolve(train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "dtype": "bfloat16",
+                                      "cast_lm_head_to_fp32": True}))[0]
+    policy, _ = runs.load_policy(args)
+    policy.lm_head.weight = policy.model.embed_tokens.weight  # tied, as SmolLM2's and Qwen's small models are
+    bones = pickle.loads(pickle.dumps(ddp.skeleton(policy)))
+    for ours, theirs in ((policy.named_parameters(remove_duplicate=False), bones.named_parameters(remove_duplicate=False)),
+                         (policy.named_buffers(), bones.named_buffers())):
+        ours, theirs = dict(ours), dict(theirs)
+        assert list(ours) == list(theirs) and ours
+        for name, t in ours.items():
+            b = theirs[name]
+            assert b.is_meta and not t.is_meta, name
+            assert (b.shape, b.dtype, b.requires_grad) == (t.shape, t.dtype, t.requires_grad), name
+    assert bones.lm_head.weight is bones.model.embed_tokens.weight
+    assert bones.forward.args[0] is bones and bones.autocast_dtype == torch.bfloat16
+    assert bones.lm_head.forward.args[0] is bones.lm_head and bones.lm_head.fp32
+    assert bones.generation_config.to_dict() == policy.generation_config.to_dict()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Stop ids: Qwen- and Llama-3-shaped tokenizers built offline, base and instruct (issue 39.4)
 # ---------------------------------------------------------------------------------------------------------------
