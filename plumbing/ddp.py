@@ -259,11 +259,22 @@ def gathered_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def resharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every unit holding its shards only, before its state is read. A forward with no backward after it
+    (a scoring pass without gradient, as --log-prefix-spread's after the update) leaves the root's weights gathered,
+    as fully_shard leaves a root after its forward; a state dict read then names those gathered tensors, not the
+    shards AdamW steps (DCP's optimizer state failed with a KeyError)."""
+    for unit in _units(model):
+        unit.reshard()
+    return model
+
+
 def full_state_dict(model: torch.nn.Module) -> dict | None:
     """A sharded model's whole state dict, gathered on rank 0 in host memory (None on the others); every rank calls
     it (the final model: `final/` is an ordinary save_pretrained folder)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    resharded(model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return None

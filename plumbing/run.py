@@ -240,7 +240,7 @@ class Run:
                 shutil.rmtree(checkpoint.temp_path(root, step), ignore_errors=True)
             self.world.barrier()
             optimizer = {"param_groups": checkpoint.save_shards(checkpoint.temp_path(root, step) / "shards",
-                                                                self.policy, self.optimizer)}
+                                                                ddp.resharded(self.policy), self.optimizer)}
         else:
             optimizer = self.optimizer.state_dict()
         if self.world.main:

@@ -247,3 +247,21 @@ def test_rank_0_alone_reads_the_weights_and_a_model_that_does_not_load_is_one_li
     assert code != 0 and len(lines) == 1 and "could not load model" in lines[0], err[-3000:]
     assert "another process" not in err and ranks[1]["loaded"] == []
     assert not (tmp_path / "bad-runs").exists() or not any((tmp_path / "bad-runs").iterdir())
+
+
+def test_a_checkpoint_after_a_scoring_pass_without_gradient_saves_and_resumes(tmp_path, tiny_policy_dir):
+    """--log-prefix-spread scores every row once more after the update, a forward with no backward, which leaves the
+    root's weights gathered: a checkpoint written then read the gathered tensors and failed (KeyError in DCP's
+    optimizer state). Now the model is resharded before its state is read: a 3-step run saving every step finishes,
+    and resuming its step-2 checkpoint logs the same step 3 (the prefix spread included)."""
+    base = ["--model", str(tiny_policy_dir), "--device", "cpu", "--fsdp", "--eval-every", "3", "--total-steps", "3",
+            "--log-prefix-spread", "True", "--output-dir", str(tmp_path)] + SMALL
+    code, out, err = finish(torchrun(2, "train.py", base + ["--save-every", "1", "--keep-checkpoints", "3"]))
+    assert code == 0, err[-3000:]
+    run = tmp_path / "gspo-np2-s0"
+    code, out, err = finish(torchrun(2, "train.py", base + ["--resume", str(run / "checkpoints" / "step-000002"),
+                                                           "--run-name", "resumed"]))
+    assert code == 0 and "resumed from" in out, err[-3000:]
+    whole, resumed = metrics_without_timing(run), metrics_without_timing(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [3] and any(k.startswith("prefix/") for k in resumed[0])
+    assert resumed[0] == whole[-1]
