@@ -13,7 +13,7 @@ Every subprocess has a time limit (--timeout, seconds).
 
   runs        the default run, 3 steps, as one process and under torchrun with 1 rank (2 ranks over NCCL with 2+ GPUs),
               and sharded with --fsdp over every local GPU, one included (on a CPU, not --fast, 2 gloo ranks),
-              checkpointing each step: exit 0, every step logged, every metric finite, no update skipped, the
+              with β 0.04 and --log-prefix-spread, checkpointing each step: exit 0, every step logged, every metric finite, no update skipped, the
               sharded run's last checkpoint written (its shards' index); each with its peak memory per rank
   memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
               against tools/memory.py's estimate, within 10%: the default model (on a GPU) and a Qwen2.5-1.5B-shaped
@@ -200,7 +200,9 @@ def check_runs(c: Check) -> None:
         commands["torchrun, 2 ranks (NCCL)"] = [*torchrun, "--nproc-per-node", "2", "train.py", *common,
                                                "--run-name", "np2"]
     sharded = ["--fsdp", "--save-every", "1", "--keep-checkpoints", "1",  # each step's shards written (DCP)
-               "--logprob-chunk", "16"]  # the head run after the forward, as by default at a real vocabulary's size
+               "--logprob-chunk", "16",  # the head run after the forward, as by default at a real vocabulary's size
+               "--beta", "0.04",  # a second model sent from rank 0 and sharded (the reference)
+               "--log-prefix-spread", "True"]  # a forward with no backward before each checkpoint
     if c.device == "cuda":  # sharded over every local GPU (issue 47.7), one included: FSDP2, NCCL, DCP on CUDA
         n = torch.cuda.device_count()
         commands[f"torchrun, {n} rank(s) (NCCL), --fsdp"] = [*torchrun, "--nproc-per-node", str(n), "train.py",
