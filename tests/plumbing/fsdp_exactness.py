@@ -58,6 +58,8 @@ def one_update(policy, batch, adv, cfg, args, world, fsdp: bool) -> dict:
     held = {"parameters": local_bytes(policy.parameters()),
             "gradients": local_bytes(p.grad for p in policy.parameters() if p.grad is not None),
             "AdamW state": local_bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}
+    if ref is not None:  # after its scoring pass, a forward with no backward: still sharded (its root too)
+        held["reference"] = local_bytes(ref.parameters())
     world.sharded = None
     return {"loss": m["losses/policy_loss"], "grad_norm": m["losses/grad_norm"], "weights": weights, "held": held,
             "checkpointing": models.is_checkpointing(policy)}
