@@ -266,9 +266,10 @@ def update(policy, ref_policy, optimizer, scheduler, batch: Batch, adv: torch.Te
                                                                          args.logprob_chunk),
                                            everything, mb_size, args.micro_batch_size, world)
     if cfg.beta > 0 and cfg.kl_in == "loss":
-        ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature,
-                                                            chunk=args.logprob_chunk), everything, mb_size,
-                              args.micro_batch_size, world)
+        with world.scored(ref_policy):  # PLUMBING: under --fsdp the reference's gathered root is freed after the pass
+            ref_logp = score_rows(lambda rows: rollout.logprobs(ref_policy, ro, rows, args.temperature,
+                                                                chunk=args.logprob_chunk), everything, mb_size,
+                                  args.micro_batch_size, world)
 
     # the current policy's entropy, where the objective reads it (with gradient for the bonus)
     needs_entropy = "grad" if cfg.entropy_coef != 0.0 or entropy_control else \
@@ -344,9 +345,10 @@ def rl_step(policy, ref_policy, tokenizer, optimizer, scheduler, stream: PromptS
     reward = torch.tensor(batch.scores["reward"])  # (B_r,)
     if cfg.beta > 0 and cfg.kl_in == "reward":  # ALGO: r_i - beta sum_t KL_it(sampler || reference)
         on, rows = batch.ro.to(policy.device), torch.arange(len(batch.ro.lengths), device=policy.device)
-        ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature,
-                                                         chunk=args.logprob_chunk), rows,
-                              len(rows) // args.num_minibatches, args.micro_batch_size, world).cpu()  # PLUMBING
+        with world.scored(ref_policy):  # PLUMBING: score_rows, and under --fsdp the reference's root freed after
+            ref_logp = score_rows(lambda r: rollout.logprobs(ref_policy, on, r, args.temperature,
+                                                             chunk=args.logprob_chunk), rows,
+                                  len(rows) // args.num_minibatches, args.micro_batch_size, world).cpu()
         reward = reward - cfg.beta * losses.kl_in_reward(batch.ro.sampler_logp, ref_logp,
                                                          batch.ro.completion_mask.float(), cfg.kl_estimator)
     # ALGO: group-relative advantages, e.g. GRPO's A_i = (r_i - mean_group) / std_group, over the whole batch

@@ -171,6 +171,18 @@ class World:
         return _gathered(self.sharded) if self.sharded is not None and policy is self.sharded else \
             contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def scored(self, frozen: torch.nn.Module | None):
+        """Under --fsdp: a frozen model (the reference) scored in the block, its whole root (embeddings, head) freed
+        after it. FSDP keeps a root's weights gathered after a forward, for the backward that follows (and the chunked
+        log-probs read the head after the forward); a frozen model has no backward, so its root stayed whole on
+        every card from its first pass on. Otherwise nothing."""
+        try:
+            yield
+        finally:
+            if self.sharded is not None and frozen is not None:
+                resharded(frozen)
+
     def wrap(self, policy: torch.nn.Module, fsdp: bool = False, from_rank0: bool = False) -> None:
         if self.distributed and fsdp:
             self.sharded = shard(policy, device=self.device, from_rank0=from_rank0)
@@ -197,9 +209,8 @@ def skeleton(model: torch.nn.Module) -> torch.nn.Module:
 def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | None = None,
           from_rank0: bool = False) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
-    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients, and its root too frees its
-    gathered weights after each forward (FSDP keeps a root's for the backward that follows, and a frozen model has
-    none: its root stayed whole on every card after its first scoring pass). On `device` (the rank's, World.
+    (embeddings, final norm, head). A frozen model (the reference) keeps no gradients; World.scored frees its root's
+    weights after a scoring pass. On `device` (the rank's, World.
     device; None: FSDP's default, a GPU where there is one): a model still on the CPU (start_run loads it there under
     --fsdp) goes to it one unit at a time as each is sharded, so no card ever holds the whole model at once.
 
@@ -222,7 +233,7 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
     for unit, dtype in _units_to_make(inner):
         fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                                     cast_forward_inputs=False) if dtype else
-                    MixedPrecisionPolicy(), **({"reshard_after_forward": True} if frozen else {}))
+                    MixedPrecisionPolicy())
     if from_rank0:
         if dist.get_rank() != 0:  # the skeleton's shards and buffers, allocated on the rank's device, unset
             inner.to_empty(device=device or dist.distributed_c10d._get_pg_default_device())

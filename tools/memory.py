@@ -291,8 +291,9 @@ def fits_table(minibatch: int = 32, prompt: int = 150, completion: int = 256, be
 # their config.json's numbers, random weights, nothing downloaded
 SMALL_QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-SHARDED_CHECKS = [SMALL_QWEN, dict(SMALL_QWEN, num_hidden_layers=8, vocab_size=32000)]  # --measure --fsdp: a root
-# (Qwen's vocabulary) that outweighs 2 layers, and 8 layers that outweigh a 32,000-token vocabulary
+SHARDED_CHECKS = [(SMALL_QWEN, 0.0), (dict(SMALL_QWEN, num_hidden_layers=8, vocab_size=32000), 0.0),
+                  (SMALL_QWEN, 0.04)]  # --measure --fsdp, (config, β): a root (Qwen's vocabulary) that outweighs 2
+# layers, 8 layers that outweigh a 32,000-token vocabulary, and the first with β's reference sharded beside it
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 CHECKS = [("full fine-tune", False, 0, 0.0, False), ("full fine-tune", False, 0, 0.04, False),
@@ -522,11 +523,14 @@ def measure_update(config: dict, rows: int = 4, prompt: int = 64, completion: in
 
 
 def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, completion: int = 512,
-                           dtype: str = "bfloat16", **_) -> dict:
+                           dtype: str = "bfloat16", beta: float = 0.0, **_) -> dict:
     """In one rank of `torchrun --nproc-per-node N python -m tools.memory --worker ...` on CPUs (gloo): measure_update's
     model sharded as train.py --fsdp shards it (ddp.shard), a warm-up update, then train.update over 4 x `rows` rows
-    of this rank's in micro-batches of `rows`, and the whole model gathered as generation gathers it. Returns this
-    rank's measured peaks of the two (tensor memory: Peak) beside the per-card estimate's (sharded, card_peak)."""
+    of this rank's in micro-batches of `rows`, and the whole model gathered as generation gathers it; with `beta`,
+    the reference (a frozen copy, sharded as train.py shards it) scores each update's rows first. Returns this rank's
+    measured peaks of the two (tensor memory: Peak) beside the per-card estimate's (sharded, card_peak)."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -538,21 +542,25 @@ def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, comple
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **config, max_position_embeddings=4096))
     policy = models.compute_in(policy, compute)
+    ref = models.frozen_reference(copy.deepcopy(policy)) if beta else None
     world.wrap(policy, fsdp=True)
+    if ref is not None:
+        ddp.shard(ref, frozen=True)
     policy.train()
-    args, cfg = runs.resolve(train.Args(algo="grpo", beta=0.0, num_minibatches=2, micro_batch_size=rows,
+    args, cfg = runs.resolve(train.Args(algo="grpo", beta=beta, num_minibatches=2, micro_batch_size=rows,
                                         old_logprobs="recompute", max_new_tokens=completion))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
     def update(n: int, width: int) -> None:
         ro = random_rollout(config["vocab_size"], n, prompt, width)
-        train.update(policy, None, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
+        train.update(policy, ref, opt, sched, train.Batch(ro, [None] * n, {}, [""] * n), torch.randn(n), cfg, args,
                      torch.Generator().manual_seed(0), world)
 
     update(4, 8)  # the warm-up: AdamW's moments exist after it
     local = [t.to_local() if hasattr(t, "to_local") else t for t in
-             [*policy.parameters(), *(v for state in opt.state.values() for v in state.values() if torch.is_tensor(v))]]
+             [*policy.parameters(), *(ref.parameters() if ref is not None else ()),
+              *(v for state in opt.state.values() for v in state.values() if torch.is_tensor(v))]]
     peak = Peak(torch.device("cpu"), sum(t.untyped_storage().nbytes() for t in local))
     peak.reset()
     update(4 * rows, completion)
@@ -561,7 +569,7 @@ def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, comple
     with world.gathered(policy):  # generation's model, beside the shards (the gradients freed)
         measured_generation = peak.read()
     c, s = torch.finfo(compute).bits // 8, shape_of_config(config, "Qwen2-shaped")
-    card = sharded(estimate(s, rows, prompt + completion, completion, 0.0, False, compute_bytes=c, device="cpu"),
+    card = sharded(estimate(s, rows, prompt + completion, completion, beta, False, compute_bytes=c, device="cpu"),
                    world.size, s, c)
     out = {"rank": world.rank, "processes": world.size, "update": measured_update, "generation": measured_generation,
            "update estimate": total(card), "generation estimate": models.generation_bytes(card)}
@@ -571,14 +579,14 @@ def measure_sharded_update(config: dict, rows: int = 4, prompt: int = 64, comple
 
 
 def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, completion: int = 512,
-                    dtype: str = "bfloat16", timeout: float = 1200) -> list[dict]:
+                    dtype: str = "bfloat16", beta: float = 0.0, timeout: float = 1200) -> list[dict]:
     """measure_sharded_update under torchrun with n CPU processes (gloo); prints each rank's row."""
     import json
     import os
     import subprocess
     import sys
 
-    job = dict(config=config, rows=rows, completion=completion, dtype=dtype, sharded=True)
+    job = dict(config=config, rows=rows, completion=completion, dtype=dtype, beta=beta, sharded=True)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                            "-m", "tools.memory", "--worker", json.dumps(job)], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=timeout,
@@ -587,7 +595,7 @@ def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, comple
     if proc.returncode != 0 or len(rows_out) != n:
         raise SystemExit("error: the sharded memory check failed: "
                          f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
-    print(sharded_header(n, config, rows, completion, dtype))
+    print(sharded_header(n, config, rows, completion, dtype, beta))
     for r in sorted(rows_out, key=lambda r: r["rank"]):
         print(f"| rank {r['rank']} | {r['update'] / GiB:.2f} / {r['update estimate'] / GiB:.2f} GiB "
               f"({r['update estimate'] / r['update']:.2f}) | {r['generation'] / GiB:.2f} / "
@@ -595,9 +603,10 @@ def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, comple
     return rows_out
 
 
-def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str) -> str:
+def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str, beta: float = 0.0) -> str:
     return (f"| --fsdp over {n} CPU processes (gloo), {config['num_hidden_layers']} layers of h "
-            f"{config['hidden_size']}, vocab {config['vocab_size']}, {dtype}: 2 x 2 micro-batches of {rows} rows x "
+            f"{config['hidden_size']}, vocab {config['vocab_size']}, {dtype}{f', β {beta:g}' if beta else ''}: "
+            f"2 x 2 micro-batches of {rows} rows x "
             f"{64 + completion} tokens per "
             "process | update: measured / estimate | generation's gathered model: measured / estimate |\n|---|---|---|")
 
@@ -862,8 +871,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(json.dumps(measure_update(**job)))
     elif a.measure and a.fsdp > 1:
-        for config in SHARDED_CHECKS:
-            measure_sharded(a.fsdp, config, dtype=a.dtype)
+        for config, beta in SHARDED_CHECKS:
+            measure_sharded(a.fsdp, config, dtype=a.dtype, beta=beta)
             print()
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))

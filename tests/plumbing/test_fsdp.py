@@ -55,11 +55,13 @@ def test_a_sharded_run_logs_data_parallels_metrics_and_writes_an_ordinary_model(
     """2 steps with --fsdp and without it (data parallel), 2 processes each, float32, of the default objective and of
     DAPO (dynamic sampling: a rank whose groups are full samples no more while the other does, so generate must hold
     no collective; log-probs in chunks of 16 positions, the default wherever a vocabulary is large: the head runs
-    after the model's forward, and once found its weights sharded again after a rollout's gather): the same tokens
+    after the model's forward, and once found its weights sharded again after a rollout's gather; β 0.04, so the
+    reference is scored in chunks too, which once found its head sharded by a fix of its memory): the same tokens
     are drawn and every logged metric agrees (see the tolerances below); final/ loads as a plain model with the
     weights the run ended with."""
     base = ["--model", str(tiny_policy_dir), "--total-steps", "2", "--eval-every", "2", "--device", "cpu",
-            "--algo", algo] + SMALL + ["--logprob-chunk", "16"] * (algo == "dapo")  # (a real vocabulary's default)
+            "--algo", algo] + SMALL + ["--logprob-chunk", "16", "--beta", "0.04"] * (algo == "dapo")  # (chunks: a real
+    # vocabulary's default; the reference scored in chunks too, its root kept gathered for the head and freed after)
     runs = {}
     for name, extra in (("fsdp", ["--fsdp"]), ("ddp", [])):
         code, out, err = finish(torchrun(2, "train.py", base + ["--output-dir", str(tmp_path / name)] + extra))

@@ -366,10 +366,10 @@ def test_the_measured_sharded_tables_carry_today_s_estimates():
     import model as models
 
     lines, gib, ratios = (ROOT / "docs" / "reference.md").read_text().splitlines(), 2**30, []
-    for config in memory.SHARDED_CHECKS:
-        *rows, (after,) = table_after(lines, memory.sharded_header(2, config, 4, 512, "bfloat16").splitlines()[0])
+    for config, beta in memory.SHARDED_CHECKS:
+        *rows, (after,) = table_after(lines, memory.sharded_header(2, config, 4, 512, "bfloat16", beta).splitlines()[0])
         s = memory.shape_of_config(config, "Qwen2-shaped")
-        card = memory.sharded(memory.estimate(s, 4, 576, 512, 0.0, False, compute_bytes=2, device="cpu"), 2, s, 2)
+        card = memory.sharded(memory.estimate(s, 4, 576, 512, beta, False, compute_bytes=2, device="cpu"), 2, s, 2)
         assert [r[0] for r in rows] == ["rank 0", "rank 1"]
         for _, update, generation in rows:
             for cell, estimate in ((update, memory.total(card)), (generation, models.generation_bytes(card))):
