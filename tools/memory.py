@@ -6,8 +6,9 @@
                                 # vocabulary, random weights) on this machine in six set-ups (CHECKS), each measured
                                 # peak beside its estimate; --device cuda on a GPU
     python -m tools.memory --measure-chunking   # whole logits against chunked log-probs (--logprob-chunk), measured
-    python -m tools.memory --measure --fsdp 2   # the same model sharded over 2 CPU processes (gloo): each rank's
-                                # update and gathered model, measured beside the per-card estimate
+    python -m tools.memory --measure --fsdp 2   # sharded over 2 CPU processes (gloo), three shapes (SHARDED_CHECKS,
+                                # one with β's reference): each rank's update and gathered model, measured beside the
+                                # per-card estimate
     python -m tools.memory --fsdp 8   # per card under --fsdp over 8 processes, for 1.5B-8B models at the defaults
                                 # (with --model PATH: that model's, at your settings)
     python -m tools.memory --model PATH --num-prompts 8 --lora-rank 16   # your model (a folder or its config.json: no
