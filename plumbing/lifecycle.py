@@ -98,9 +98,10 @@ def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None
         return  # no run here (a launcher's own files, such as sweep.py's console.log, do not count)
     summary = finished_summary(run_dir)
     if summary is not None:
-        n = summary.get("steps", "?")
-        result = (f"{n} step{'' if n == 1 else 's'}, held-out accuracy {summary.get('accuracy_before', float('nan')):.3f} "
-                  f"-> {summary.get('accuracy_after', float('nan')):.3f}") if summary else "summary unreadable"
+        n, before = summary.get("steps", "?"), summary.get("accuracy_before", float("nan"))
+        result = "summary unreadable" if not summary else f"an evaluation alone, held-out accuracy {before:.3f}" \
+            if n == 0 else f"{n} step{'' if n == 1 else 's'}, held-out accuracy {before:.3f} -> " \
+            f"{summary.get('accuracy_after', float('nan')):.3f}"
         ways = []
         ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
         if ckpts:

@@ -460,6 +460,17 @@ def test_a_finished_run_is_never_replaced(finished, capsys, extra):
     assert f"--model {run / 'final'} --run-name NEW_NAME" in line and "--overwrite replaces it" in line
 
 
+def test_a_finished_evaluation_is_named_as_one(tiny_policy_dir, tmp_path, capsys):
+    """--total-steps 0 again into the folder of an earlier evaluation: refused as a finished run, named as the
+    evaluation it was (its one accuracy), not as '0 steps, held-out accuracy A -> A'."""
+    argv = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), "--total-steps", "0"] + SMALL
+    train.main(argv)
+    capsys.readouterr()
+    line = refused(argv + ["--log-completions-every", "1"], capsys, tmp_path, "is a finished run (an evaluation alone, "
+                   "held-out accuracy ")
+    assert "->" not in line and "0 steps" not in line and "--run-name NEW_NAME starts a fresh run" in line
+
+
 @pytest.mark.parametrize("flag", ["--eval-dataset", "--dataset"])
 def test_a_missing_data_file_is_named_before_the_finished_run(finished, capsys, flag):
     """Issue 50.3: the real cause first. The file does not change the run's name, so the run folder is the finished
