@@ -210,9 +210,9 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
           from_rank0: bool = False) -> torch.nn.Module:
     """FSDP2 in place: each decoder layer its own unit (gathered for its forward and backward only), then the root
     (embeddings, final norm, head). A frozen model (the reference) keeps no gradients; World.scored frees its root's
-    weights after a scoring pass. On `device` (the rank's, World.
-    device; None: FSDP's default, a GPU where there is one): a model still on the CPU (start_run loads it there under
-    --fsdp) goes to it one unit at a time as each is sharded, so no card ever holds the whole model at once.
+    weights after a scoring pass. On `device` (the rank's, World.device; None: FSDP's default, a GPU where there is
+    one): a model still on the CPU (start_run loads it there under --fsdp) goes to it one unit at a time as each is
+    sharded, so no card ever holds the whole model at once.
 
     Under bf16 (model.compute_in: autocast over fp32 weights) a layer's linear weights are gathered in bf16, what
     autocast casts them to anyway, and their gradients reduce-scattered in fp32 (FSDP's MixedPrecisionPolicy, inputs
@@ -221,8 +221,9 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
     and no bf16 copy of a layer outlives its forward: the copy autocast would make and keep for the backward is the
     gathered weight, which FSDP frees after the forward and gathers again for the backward.
 
-    `from_rank0` (World.from_main): rank 0 holds the weights, the other ranks a skeleton; each rank's shards come from
-    rank 0, one tensor at a time, and so do the buffers (the rotary tables, not in a state dict)."""
+    `from_rank0` (World.from_main, with the rank's `device`): rank 0 holds the weights, the other ranks a skeleton;
+    each rank's shards come from rank 0, one tensor at a time, and so do the buffers (the rotary tables, not in a
+    state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -236,7 +237,7 @@ def shard(model: torch.nn.Module, frozen: bool = False, device: torch.device | N
                     MixedPrecisionPolicy())
     if from_rank0:
         if dist.get_rank() != 0:  # the skeleton's shards and buffers, allocated on the rank's device, unset
-            inner.to_empty(device=device or dist.distributed_c10d._get_pg_default_device())
+            inner.to_empty(device=device)
         set_model_state_dict(inner, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for buffer in inner.buffers():
             dist.broadcast(buffer, src=0)

@@ -99,9 +99,13 @@ def check_run_folder(run_dir: Path, resume: str | None, overwrite: bool) -> None
     summary = finished_summary(run_dir)
     if summary is not None:
         n, before = summary.get("steps", "?"), summary.get("accuracy_before", float("nan"))
-        result = "summary unreadable" if not summary else f"an evaluation alone, held-out accuracy {before:.3f}" \
-            if n == 0 else f"{n} step{'' if n == 1 else 's'}, held-out accuracy {before:.3f} -> " \
-            f"{summary.get('accuracy_after', float('nan')):.3f}"
+        if not summary:
+            result = "summary unreadable"
+        elif n == 0:  # --total-steps 0
+            result = f"an evaluation alone, held-out accuracy {before:.3f}"
+        else:
+            result = (f"{n} step{'' if n == 1 else 's'}, held-out accuracy {before:.3f} -> "
+                      f"{summary.get('accuracy_after', float('nan')):.3f}")
         ways = []
         ckpts = checkpoint.all_checkpoints(run_dir / "checkpoints")
         if ckpts:

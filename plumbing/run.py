@@ -278,17 +278,15 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
             # a checkpoint's model, or --model's (under LoRA the adapter goes on top; under --fsdp the shards do)
             whole = state and not args.lora_rank and not state.get("sharded")
             host = bool(args.fsdp and world.distributed and args.total_steps)  # sharded below, a unit at a time
-
-            def starting(path: Path | None = None):  # under --fsdp rank 0 alone reads the weights, into host memory;
-                # the others get the model's skeleton and, as shard takes it to the devices, their shards from rank 0
-                return world.from_main(lambda: load_policy(args, path, host=True)) if host else load_policy(args, path)
-            if not host:  # (World.from_main is a collective, so every rank runs it at once, after this block)
-                policy, tokenizer = starting(resume_from / "model" if whole else None)
+            path = resume_from / "model" if whole else None
+            if not host:  # (under --fsdp below: World.from_main is a collective, which every rank runs at once)
+                policy, tokenizer = load_policy(args, path)
             if args.lora_rank:  # only the adapter trains; a checkpoint holds the adapter, over --model's weights
                 policy = models.add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                          adapter=resume_from / "model" if state else None, seed=args.seed)
-        if host:
-            policy, tokenizer = starting(resume_from / "model" if whole else None)
+        if host:  # --fsdp: rank 0 alone reads the weights, into host memory; the others get the model's skeleton
+            # and, as ddp.shard takes it to the devices, their shards from rank 0
+            policy, tokenizer = world.from_main(lambda: load_policy(args, path, host=True))
         if args.model != "embedded":  # (the embedded model's prompts were checked above, before its warm start)
             if args.enable_thinking:
                 flags.check_thinking(tokenizer, args.model)
@@ -300,7 +298,7 @@ def start_run(args, cfg: LossConfig, run_dir: Path, resume_from: Path | None, st
         if reference and args.lora_rank:  # the starting policy, for the KL term: the base, adapter off
             ref_policy = models.AdapterOff(policy)
         elif reference:  # a frozen copy of the starting policy (not of a checkpoint), its linear layers in bf16
-            ref_policy = models.frozen_reference(starting()[0] if whole else copy.deepcopy(policy))
+            ref_policy = models.frozen_reference(load_policy(args)[0] if whole else copy.deepcopy(policy))
         world.barrier()  # every rank has checked the run folder before rank 0 writes into it
         if world.main:
             folder.create()

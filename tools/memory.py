@@ -607,9 +607,8 @@ def measure_sharded(n: int = 2, config: dict = SMALL_QWEN, rows: int = 4, comple
 def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str, beta: float = 0.0) -> str:
     return (f"| --fsdp over {n} CPU processes (gloo), {config['num_hidden_layers']} layers of h "
             f"{config['hidden_size']}, vocab {config['vocab_size']}, {dtype}{f', β {beta:g}' if beta else ''}: "
-            f"2 x 2 micro-batches of {rows} rows x "
-            f"{64 + completion} tokens per "
-            "process | update: measured / estimate | generation's gathered model: measured / estimate |\n|---|---|---|")
+            f"2 x 2 micro-batches of {rows} rows x {64 + completion} tokens per process | update: measured / estimate "
+            "| generation's gathered model: measured / estimate |\n|---|---|---|")
 
 
 def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat16", rows: int = 4,

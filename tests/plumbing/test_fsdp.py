@@ -27,8 +27,8 @@ def test_a_sharded_update_is_the_one_process_update_and_each_rank_holds_half(tmp
     """GSPO (the default) and GRPO with β 0.04 (a sharded reference) in micro-batches of 2 rows, two epochs each, and
     DAPO with activation checkpointing and log-probs in chunks of 16 positions: the loss, the gradient norm and the weights after the update equal one process's within 1e-6 (float64); each rank
     holds half of one process's parameter, gradient and AdamW bytes, and with β half of the reference's after its
-    scoring pass, a forward with no backward (its root stayed gathered before it was sharded to reshard after each
-    forward) (measured, printed)."""
+    scoring pass, a forward with no backward (its root stayed gathered on every card before World.scored released
+    it) (measured, printed)."""
     out = tmp_path / "fsdp.json"
     code, _, err = finish(torchrun(2, "tests/plumbing/fsdp_exactness.py", [str(tiny_policy_dir), str(out)]))
     assert code == 0, err[-3000:]
