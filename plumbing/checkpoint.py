@@ -55,8 +55,9 @@ def restore_rng(state: dict, gen: torch.Generator) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     gen.set_state(state["generator"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():  # one per GPU of the machine that saved it: this
+        for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count()]):  # one may have fewer
+            torch.cuda.set_rng_state(cuda, i)
 
 
 def path_of(root: Path, step: int) -> Path:

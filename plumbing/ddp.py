@@ -357,10 +357,13 @@ def launched() -> bool:
 
 
 def setup(device: str, timeout_min: float = 30.0) -> World:
-    """Join the process group torchrun describes: NCCL with one GPU per rank (LOCAL_RANK), else gloo.
+    """Join the process group torchrun describes: NCCL with one GPU per rank (LOCAL_RANK), else gloo. One process
+    on `cuda:N` makes GPU N the current device, as each rank's is under torchrun.
 
     A rank that waits longer than `timeout_min` in a collective (another rank hung) raises instead of hanging."""
     if not launched():
+        if device.startswith("cuda:"):  # 'cuda' now means the chosen GPU (memory peaks, CUDA calls without an index)
+            torch.cuda.set_device(torch.device(device))
         return SINGLE
     local = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = device in ("auto", "cuda") and torch.cuda.is_available()

@@ -13,7 +13,7 @@ import torch
 
 import task
 import train
-from plumbing import checkpoint, lifecycle, logs
+from plumbing import checkpoint, ddp, lifecycle, logs
 from plumbing import run as runs
 from plumbing.ddp import SINGLE
 
@@ -86,6 +86,36 @@ def test_a_checkpoint_resumes_at_its_own_number_of_processes_unless_it_is_sharde
         checkpoint.check_world_size(state, resumed_by, tmp_path)
     checkpoint.check_world_size(state, saved_by, tmp_path)
     checkpoint.check_world_size({**state, "sharded": True}, resumed_by, tmp_path)  # resharded on load
+
+
+@pytest.mark.parametrize("saved_gpus,here", [(4, 2), (1, 2), (2, 2)])
+def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_rng_of_the_gpus_this_one_has(monkeypatch, saved_gpus,
+                                                                                           here):
+    """The CUDA RNG states of a checkpoint are one per GPU of the machine that saved it; a resume on a machine with
+    fewer (another node, a sharded checkpoint at fewer processes) restores those that exist instead of failing on a
+    GPU index this machine lacks. No GPU here: torch.cuda stands in, recording what is set."""
+    set_states = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: here)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: set_states.append((device, int(state[0]))))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([10 + i], dtype=torch.uint8)
+                                                                  for i in range(saved_gpus)])
+    gen = torch.Generator().manual_seed(3)
+    state = checkpoint.rng_state(gen)
+    checkpoint.restore_rng(state, torch.Generator())
+    assert set_states == [(i, 10 + i) for i in range(min(saved_gpus, here))]
+
+
+def test_one_process_on_a_chosen_gpu_makes_it_the_current_device(monkeypatch):
+    """`--device cuda:1` without torchrun: GPU 1 becomes the current device, as each rank's GPU is under torchrun,
+    so what reads the current device (the logged CUDA memory peak) reads the run's GPU, not GPU 0."""
+    current = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert ddp.setup("cuda:1") is SINGLE and current == [torch.device("cuda", 1)]
+    for device in ("auto", "cuda", "cpu"):
+        assert ddp.setup(device) is SINGLE
+    assert current == [torch.device("cuda", 1)]
 
 
 class Policy:
