@@ -232,10 +232,11 @@ def chunked_logprobs(model, head, decoder, input_ids: Tensor, attention_mask: Te
         hook.remove()
     hidden = seen[-1]  # (B, L, h)
     dtype = None if getattr(head, "fp32", False) else autocast_dtype(model)  # model.head_in_fp32: the head in fp32
-    check_head(head, hidden[:, -1:], last, dtype)
+    logit_map = LogitMap.of(model)
+    check_head(head, hidden[:, -1:], last, dtype, logit_map)
     b, t = targets.shape
     logp, entropy = HeadLogprobs.apply(hidden[:, -t - 1:-1].reshape(b * t, -1), head.weight, head.bias,
-                                       targets.reshape(-1), temperature, size, with_entropy, dtype)
+                                       targets.reshape(-1), temperature, size, with_entropy, dtype, logit_map)
     logp = logp.view(b, t)
     return (logp, entropy.view(b, t)) if with_entropy else logp
 
@@ -264,14 +265,50 @@ def autocast_dtype(model):
     return getattr(inner, "autocast_dtype", None) or getattr(getattr(inner, "model", None), "autocast_dtype", None)
 
 
-def check_head(head, hidden: Tensor, logits: Tensor, dtype) -> None:
-    """The chunked path reads the head as logits = head(last hidden state): true of Llama, Qwen, Mistral and most
-    decoders; not of one that scales or soft-caps its logits after the head (Gemma 2, Cohere, Granite), refused."""
+@dataclass(frozen=True)
+class LogitMap:
+    """What a model does to its head's output z before the softmax, as transformers writes it: Cohere multiplies by
+    its logit_scale, Granite divides by its logits_scaling, Gemma 2 soft-caps, cap tanh(z / cap), with its
+    final_logit_softcapping. Most decoders (Llama, Qwen, Mistral) do nothing: the identity."""
+    multiply: float = 1.0
+    divide: float = 1.0
+    cap: float | None = None
+
+    @staticmethod
+    def of(model) -> "LogitMap":
+        """The map `model`'s config names (through DDP's .module and model.AdapterOff's .model); check_head verifies it."""
+        inner = getattr(model, "module", model)
+        config = getattr(inner, "config", None) or getattr(getattr(inner, "model", None), "config", None)
+        return LogitMap(getattr(config, "logit_scale", None) or 1.0, getattr(config, "logits_scaling", None) or 1.0,
+                        getattr(config, "final_logit_softcapping", None))
+
+    def __bool__(self) -> bool:  # the identity is False: the default path runs no extra operation
+        return self != LogitMap()
+
+    def __call__(self, z: Tensor) -> Tensor:
+        """f(z), each operation as the model's forward writes it, so that f(z) is its logits to the bit."""
+        z = z * self.multiply if self.multiply != 1.0 else z
+        z = z / self.divide if self.divide != 1.0 else z
+        return z if self.cap is None else torch.tanh(z / self.cap) * self.cap
+
+    def backward_(self, g: Tensor, f: Tensor) -> Tensor:
+        """dL/dz from dL/df, in place of g, given f = f(z) (overwritten): the cap's slope is 1 - (f / cap)^2, the
+        derivative of tanh at z / cap, and the scales' m / d."""
+        if self.cap is not None:
+            g.mul_(f.div_(self.cap).square_().neg_().add_(1))
+        return g.mul_(self.multiply / self.divide) if self.multiply != self.divide else g
+
+
+def check_head(head, hidden: Tensor, logits: Tensor, dtype, logit_map: LogitMap = LogitMap()) -> None:
+    """The chunked path reads the logits as f(head(last hidden state)), f the LogitMap the model's config names: true
+    of Llama, Qwen, Mistral, Gemma 2 and 3, Cohere and Granite. A model that changes its logits in another way
+    (scales the hidden states before its head, as MiniCPM) is refused."""
     with torch.no_grad(), torch.autocast(hidden.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        mine = head(hidden)
+        mine = logit_map(head(hidden))
     if not torch.allclose(mine.float(), logits.float(), rtol=1e-3, atol=1e-3):
         raise HeadError("this model's logits are not its head applied to its last hidden states (it scales or caps "
-                        "them): pass --logprob-chunk -1 to compute whole logits instead")
+                        "them in a way the chunked log-probs do not know): pass --logprob-chunk -1 to compute whole "
+                        "logits instead")
 
 
 class HeadError(UserError, ValueError):
@@ -282,21 +319,23 @@ class HeadLogprobs(torch.autograd.Function):
     """log softmax(h W^T / temperature) at the targets, and the entropy, for N positions' hidden states (N, h), `size`
     positions at a time; the backward computes each chunk's logits again instead of keeping any. Numerically
     token_logprobs's arithmetic (logits in the compute dtype, then fp32); d/dz of log p_y is onehot(y) - p, of the
-    entropy -p (log p + H), z = logits / temperature. with_entropy: False, True (no gradient) or "grad"."""
+    entropy -p (log p + H), z = f(h W^T + b) / temperature, f the model's LogitMap. with_entropy: False, True (no
+    gradient) or "grad"."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, size, with_entropy, dtype):
+    def forward(ctx, hidden, weight, bias, targets, temperature, size, with_entropy, dtype, logit_map=LogitMap()):
         w, b = HeadLogprobs.cast(weight, bias, dtype)
         logp = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else torch.empty(0, device=hidden.device)
         for s in range(0, len(targets), size):
-            z = HeadLogprobs.scores(hidden[s:s + size], w, b, temperature)  # (n, V)
+            z = HeadLogprobs.scores(hidden[s:s + size], w, b, temperature, logit_map)  # (n, V)
             logp_all = torch.log_softmax(z, dim=-1)  # (n, V); one fused kernel (a CPU's logsumexp is 6x slower)
             logp[s:s + size] = logp_all.gather(-1, targets[s:s + size, None]).squeeze(-1)
             if with_entropy:  # H = -sum_v p_v log p_v
                 entropy[s:s + size] = -(torch.softmax(z, dim=-1) * logp_all).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.size, ctx.with_entropy, ctx.dtype = temperature, size, with_entropy, dtype
+        ctx.logit_map = logit_map
         if with_entropy != "grad":
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -309,9 +348,11 @@ class HeadLogprobs(torch.autograd.Function):
         return weight.to(dtype), None if bias is None else bias.to(dtype)
 
     @staticmethod
-    def scores(h, w, b, temperature):
-        """z = head(h) / temperature in fp32 (the head's matmul in w's dtype, as under the model's autocast): (n, V)."""
-        z = torch.nn.functional.linear(h.to(w.dtype), w, b).float()
+    def scores(h, w, b, temperature, logit_map):
+        """z = f(head(h)) / temperature in fp32 (the head's matmul and f in w's dtype, as under the model's autocast):
+        (n, V)."""
+        z = torch.nn.functional.linear(h.to(w.dtype), w, b)
+        z = (logit_map(z) if logit_map else z).float()
         return z if temperature == 1.0 else z.div_(temperature)  # in place: z / 1 is z, to the bit
 
     @staticmethod
@@ -325,7 +366,7 @@ class HeadLogprobs(torch.autograd.Function):
         rows = max(1, GRAD_SLICE // weight.shape[1])  # of the head's gradient per product: no (V, h) temporary
         for s in range(0, len(targets), ctx.size):
             h = hidden[s:s + ctx.size].to(w.dtype)
-            z = HeadLogprobs.scores(h, w, b, ctx.temperature)
+            z = HeadLogprobs.scores(h, w, b, ctx.temperature, ctx.logit_map)
             p = torch.softmax(z, dim=-1)  # (n, V)
             g_z = p.mul(-g_logp[s:s + ctx.size, None])
             g_z.scatter_add_(-1, targets[s:s + ctx.size, None], g_logp[s:s + ctx.size, None])
@@ -333,7 +374,10 @@ class HeadLogprobs(torch.autograd.Function):
                 logp_all = torch.log_softmax(z, dim=-1)
                 entropy = -(p * logp_all).sum(-1)
                 g_z -= logp_all.add_(entropy[:, None]).mul_(p).mul_(g_entropy[s:s + ctx.size, None])
-            g_raw = (g_z if ctx.temperature == 1.0 else g_z.div_(ctx.temperature)).to(w.dtype)  # the head's dtype
+            g_raw = g_z if ctx.temperature == 1.0 else g_z.div_(ctx.temperature)
+            if ctx.logit_map:  # through f (f = z x temperature; z is not read again)
+                g_raw = ctx.logit_map.backward_(g_raw, z if ctx.temperature == 1.0 else z.mul_(ctx.temperature))
+            g_raw = g_raw.to(w.dtype)  # the head's dtype
             if want_h:
                 g_hidden[s:s + ctx.size] = torch.matmul(g_raw, w).to(hidden.dtype)
             if want_w:
@@ -343,7 +387,7 @@ class HeadLogprobs(torch.autograd.Function):
                 g_bias += g_raw.float().sum(0)
         g_weight = None if g_weight is None else g_weight.to(weight.dtype)
         g_bias = None if g_bias is None else g_bias.to(bias.dtype)
-        return g_hidden, g_weight, g_bias, None, None, None, None, None
+        return g_hidden, g_weight, g_bias, None, None, None, None, None, None
 
 
 def logprobs(model, ro: Rollout, rows: Tensor, temperature: float = 1.0, with_entropy: bool | str = False,

@@ -226,8 +226,8 @@ def test_chunked_logprobs_under_bf16_autocast_within_its_rounding(tiny_policy_di
 
 
 def test_a_model_whose_logits_are_not_its_head_is_refused_in_the_chunked_path(tiny_policy_dir):
-    """Gemma 2, Cohere and Granite scale or cap their logits after the head; the chunked path cannot see that, so
-    it says so (whole logits, -1, still work)."""
+    """A model whose logits are not its head's output under the map its config names (here a cap no config names)
+    is refused by the chunked path in one line that names whole logits (-1), which still work."""
     policy, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
     real = policy.forward
 
@@ -241,6 +241,60 @@ def test_a_model_whose_logits_are_not_its_head_is_refused_in_the_chunked_path(ti
     with pytest.raises(rollout.HeadError, match="--logprob-chunk -1"):
         rollout.completion_logprobs(policy, ids, mask, 12, chunk=4)
     assert rollout.completion_logprobs(policy, ids, mask, 12, chunk=-1).shape == (2, 12)
+
+
+HEAD_MAPS = {  # a small cap, scale and divisor, so that each map moves the logits far beyond check_head's 1e-3
+    "gemma2": dict(model_type="gemma2", head_dim=8, final_logit_softcapping=1.5, tie_word_embeddings=True),
+    "granite": dict(model_type="granite", logits_scaling=0.25),
+    "cohere": dict(model_type="cohere", logit_scale=4.0, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(HEAD_MAPS))
+def test_chunked_logprobs_apply_the_map_a_model_makes_of_its_heads_output(arch):
+    """Gemma 2 soft-caps its logits after the head, Granite divides them, Cohere scales them: the chunked path applies
+    the map the config names (rollout.LogitMap), so its log-probs, entropies and gradients (fp32, temperature 0.7) are
+    the model's own logits' computed in float64, within 1e-6 (log-probs and gradients relative), where the head
+    alone is refused. (The whole-logits path is no closer: its entropy, log Z - E[z], rounds to 3.5e-6 at Cohere's.)"""
+    import copy
+
+    import transformers
+
+    tok = models.build_tokenizer()
+    spec = dict(HEAD_MAPS[arch])
+    config = transformers.AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tok), hidden_size=32,
+                                               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **spec)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.get_output_embeddings().weight.data.mul_(3)  # logits of units: the cap and the scales bite
+    ids, mask = torch.randint(5, len(tok), (3, 20)), torch.ones(3, 20, dtype=torch.long)
+    weights = torch.linspace(-1.0, 1.0, 36, dtype=torch.float64).view(3, 12)
+
+    def objective(logp, entropy):  # a stand-in loss that reads every log-prob and every entropy
+        return (logp * weights).sum() + (entropy * weights.flip(-1)).sum()
+
+    logp, entropy = rollout.completion_logprobs(model, ids, mask, 12, 0.7, "grad", chunk=4)
+    objective(logp.double(), entropy.double()).backward()
+    exact = copy.deepcopy(model).double()
+    exact.zero_grad(set_to_none=True)
+    z = exact(input_ids=ids, attention_mask=mask).logits[:, -13:-1] / 0.7  # (3, 12, V) the model's own, float64
+    logp_all = torch.log_softmax(z, -1)
+    exact_logp, exact_entropy = logp_all.gather(-1, ids[:, -12:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    objective(exact_logp, exact_entropy).backward()
+    torch.testing.assert_close(logp.detach().double(), exact_logp.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy.detach().double(), exact_entropy.detach(), rtol=0, atol=1e-6)
+    grads = [(q.grad.double(), e.grad) for q, e in zip(model.parameters(), exact.parameters())]
+    scale = max(float(e.abs().max()) for _, e in grads)
+    assert max(float((g - e).abs().max()) for g, e in grads) <= 1e-6 * scale, arch
+
+    logit_map, head, hidden = rollout.LogitMap.of(model), model.get_output_embeddings(), torch.randn(3, 1, 32)
+    with torch.no_grad():  # the map matters: without it, the model's logits are not its head's
+        logits = logit_map(head(hidden))
+        with pytest.raises(rollout.HeadError):
+            rollout.check_head(head, hidden, logits, None)
+        rollout.check_head(head, hidden, logits, None, logit_map)
 
 
 def test_the_default_makes_small_logits_whole_and_chunks_large_ones(tiny_policy_dir, monkeypatch):
