@@ -301,7 +301,7 @@ class LogitMap:
 
 def check_head(head, hidden: Tensor, logits: Tensor, dtype, logit_map: LogitMap = LogitMap()) -> None:
     """The chunked path reads the logits as f(head(last hidden state)), f the LogitMap the model's config names: true
-    of Llama, Qwen, Mistral, Gemma 2 and 3, Cohere and Granite. A model that changes its logits in another way
+    of Llama, Qwen, Mistral, Gemma, Gemma 2, Cohere and Granite. A model that changes its logits in another way
     (scales the hidden states before its head, as MiniCPM) is refused."""
     with torch.no_grad(), torch.autocast(hidden.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         mine = logit_map(head(hidden))
@@ -316,10 +316,10 @@ class HeadError(UserError, ValueError):
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(h W^T / temperature) at the targets, and the entropy, for N positions' hidden states (N, h), `size`
-    positions at a time; the backward computes each chunk's logits again instead of keeping any. Numerically
-    token_logprobs's arithmetic (logits in the compute dtype, then fp32); d/dz of log p_y is onehot(y) - p, of the
-    entropy -p (log p + H), z = f(h W^T + b) / temperature, f the model's LogitMap. with_entropy: False, True (no
+    """log softmax(f(h W^T + b) / temperature) at the targets, and the entropy, for N positions' hidden states (N, h),
+    f the model's LogitMap, `size` positions at a time; the backward computes each chunk's logits again instead of
+    keeping any. Numerically token_logprobs's arithmetic (logits in the compute dtype, then fp32); d/dz of log p_y
+    is onehot(y) - p, of the entropy -p (log p + H), z = f(h W^T + b) / temperature. with_entropy: False, True (no
     gradient) or "grad"."""
 
     @staticmethod
