@@ -46,7 +46,8 @@ def rng_state(gen: torch.Generator) -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
             "torch": torch.get_rng_state(), "generator": gen.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}  # a Mac's GPU samples too
 
 
 def restore_rng(state: dict, gen: torch.Generator) -> None:
@@ -58,6 +59,8 @@ def restore_rng(state: dict, gen: torch.Generator) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():  # one per GPU of the machine that saved it: this
         for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count()]):  # one may have fewer
             torch.cuda.set_rng_state(cuda, i)
+    if state.get("mps") is not None and torch.backends.mps.is_available():  # (checkpoints before 2026-12-06 have none)
+        torch.mps.set_rng_state(state["mps"])
 
 
 def path_of(root: Path, step: int) -> Path:

@@ -106,6 +106,22 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_restores_the_rng_of_the_gpus
     assert set_states == [(i, 10 + i) for i in range(min(saved_gpus, here))]
 
 
+def test_a_checkpoint_keeps_the_rng_a_macs_gpu_samples_with(monkeypatch):
+    """On a Mac, --device auto samples on MPS, whose generator is its own: a checkpoint saves it and a resume puts it
+    back, as it does the CUDA generators (exact resume). A checkpoint without one (older, or from another machine)
+    leaves it alone. No MPS here: torch.mps stands in."""
+    mps = {"state": torch.tensor([7], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: mps["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: mps.update(state=state))
+    state = checkpoint.rng_state(torch.Generator())
+    mps["state"] = torch.tensor([9], dtype=torch.uint8)  # the run samples on
+    checkpoint.restore_rng(state, torch.Generator())
+    assert int(mps["state"][0]) == 7
+    checkpoint.restore_rng({k: v for k, v in state.items() if k != "mps"}, torch.Generator())
+    assert int(mps["state"][0]) == 7
+
+
 def test_one_process_on_a_chosen_gpu_makes_it_the_current_device(monkeypatch):
     """`--device cuda:1` without torchrun: GPU 1 becomes the current device, as each rank's GPU is under torchrun,
     so what reads the current device (the logged CUDA memory peak) reads the run's GPU, not GPU 0."""
