@@ -73,6 +73,7 @@ class Shape:
     vocab: int
     heads: int  # attention heads
     q: int  # query width: heads x head size (h for most models; Qwen3 differs)
+    capped: bool = False  # soft-caps its logits after the head (Gemma 2's final_logit_softcapping)
 
     @property
     def linear(self) -> float:
@@ -158,10 +159,12 @@ def logits(s: Shape, rows: int, completion: int, compute_bytes: int, entropy_bon
     (LOGITS) where rollout.completion_logprobs makes them whole (rollout.chunk_positions), else chunked (CHUNKED)."""
     n = rows * completion  # completion positions
     size = chunk_positions(n, s.vocab, chunk)
-    if not size:
+    if not size:  # a soft cap after the head (Gemma 2) keeps one more copy of the logits, tanh's output, for its
+        # backward, and without gradient holds two while it divides or multiplies them (rollout.LogitMap)
         a, b, a2, b2 = LOGITS[(compute_bytes, entropy_bonus)]
-        return {"logits": completion * s.vocab * max(a * rows + b, a2 * rows + b2),
-                "pi_old pass": completion * s.vocab * (compute_bytes * rows + 8)}
+        cap = compute_bytes if s.capped else 0
+        return {"logits": completion * s.vocab * max((a + cap) * rows + b, (a2 + cap) * rows + b2),
+                "pi_old pass": completion * s.vocab * max(compute_bytes * rows + 8, 2 * cap * rows)}
     k, a, w = CHUNKED[(compute_bytes, entropy_bonus)]
     k0, a0, w0 = PI_OLD_CHUNKED[compute_bytes]
     return {"logits": size * s.vocab * k + n * s.hidden * a + s.vocab * s.hidden * w,
@@ -295,6 +298,8 @@ SMALL_QWEN = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, 
 SHARDED_CHECKS = [(SMALL_QWEN, 0.0), (dict(SMALL_QWEN, num_hidden_layers=8, vocab_size=32000), 0.0),
                   (SMALL_QWEN, 0.04)]  # --measure --fsdp, (config, β): a root (Qwen's vocabulary) that outweighs 2
 # layers, 8 layers that outweigh a 32,000-token vocabulary, and the first with β's reference sharded beside it
+SMALL_GEMMA2 = dict(SMALL_QWEN, vocab_size=256000, head_dim=64, final_logit_softcapping=30.0)  # the same widths with
+# Gemma 2's vocabulary and its soft cap of the logits (rollout.LogitMap): --measure-chunking --chunking-model gemma2
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 CHECKS = [("full fine-tune", False, 0, 0.0, False), ("full fine-tune", False, 0, 0.04, False),
@@ -318,7 +323,8 @@ def shape_of_config(c: dict, name: str = "") -> Shape:
     q = heads * head
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
     embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
-    return Shape(name, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab, heads, q)
+    return Shape(name, float(embeddings + layers * per_layer + h), layers, h, i, kv, vocab, heads, q,
+                 bool(c.get("final_logit_softcapping")))
 
 
 class EstimateError(ValueError):
@@ -613,7 +619,7 @@ def sharded_header(n: int, config: dict, rows: int, completion: int, dtype: str,
 
 def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat16", rows: int = 4,
             completion: int = 512, checks=CHECKS, timeout: float = 900, logprob_chunk: int = 0,
-            quiet: bool = False) -> list[dict]:
+            quiet: bool = False, model_type: str = "qwen2") -> list[dict]:
     """Each of `checks` in a process of its own (python -m tools.memory --worker): the measured peak of one update
     beside the estimate. Returns one dict per check; prints a table row as each finishes."""
     import json
@@ -624,7 +630,7 @@ def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat
     out = []
     for label, ckpt, rank, beta, bonus in checks:
         job = dict(config=config, rows=rows, completion=completion, beta=beta, checkpointing=ckpt, lora_rank=rank,
-                   entropy_bonus=bonus, dtype=dtype, device=device, logprob_chunk=logprob_chunk)
+                   entropy_bonus=bonus, dtype=dtype, device=device, logprob_chunk=logprob_chunk, model_type=model_type)
         proc = subprocess.run([sys.executable, "-m", "tools.memory", "--worker", json.dumps(job)],
                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **MMAP_THRESHOLD})
@@ -640,7 +646,7 @@ def measure(config: dict = SMALL_QWEN, device: str = "cpu", dtype: str = "bfloat
 
 
 def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int = 512, dtype: str = "bfloat16",
-                     device: str = "cpu", timeout: float = 1800) -> list[dict]:
+                     device: str = "cpu", timeout: float = 1800, model_type: str = "qwen2") -> list[dict]:
     """Whole logits (--logprob-chunk -1) against the chunked path (0), without and with the entropy bonus, each in a
     process of its own: the update's measured peak, one π_old micro-batch's, the estimates, and the log-prob path's
     part of the update (the measured peak less the estimate's resident state and activations). Prints a table."""
@@ -652,7 +658,7 @@ def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int =
         for chunk in (-1, 0):
             label = "+ entropy bonus" if bonus else "full fine-tune"
             m = measure(config, device, dtype, rows, completion, [(label, False, 0, 0.0, bonus)], timeout, chunk,
-                        quiet=True)[0]
+                        quiet=True, model_type=model_type)[0]
             c = 2 if dtype == "bfloat16" else 4
             e = estimate(s, rows, 64 + completion, completion, 0.0, False, 0, c, bonus, device, chunk)
             m.update(chunk=chunk, logprob_part=m["peak"] - (phases(e)["update"] - e["logits"]),
@@ -672,7 +678,9 @@ def measure_chunking(config: dict = SMALL_QWEN, rows: int = 8, completion: int =
 
 
 def chunking_header(config: dict, rows: int, completion: int, dtype: str, device: str) -> str:
-    return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}, "
+    cap = f", logits soft-capped at {config['final_logit_softcapping']:g} (Gemma 2)" \
+        if config.get("final_logit_softcapping") else ""
+    return (f"| {config['num_hidden_layers']} layers of h {config['hidden_size']}, vocab {config['vocab_size']}{cap}, "
             f"{dtype}, {device}: micro-batches of {rows} rows x {64 + completion} tokens ({completion} completion) | "
             "--logprob-chunk | update: measured / estimate | log-prob part | π_old pass, one micro-batch: measured / "
             "estimate |\n|---|---|---|---|---|")
@@ -746,6 +754,9 @@ class MemoryArgs:
     measure_chunking: bool = False
     """measure the same model's update and π_old pass with whole logits (--logprob-chunk -1) and chunked (0), 8 rows x
     512 completion tokens, without and with the entropy bonus (docs/reference.md)"""
+    chunking_model: Literal["qwen2", "gemma2"] = "qwen2"
+    """with --measure-chunking: qwen2, 2 layers of Qwen2.5-0.5B's widths and its 151,936-token vocabulary; gemma2, the
+    same widths with Gemma 2's 256,000-token vocabulary and its soft cap of the logits"""
     device: str = "cpu"
     """with --measure or --measure-chunking: cpu or cuda"""
     worker: str = ""
@@ -877,7 +888,8 @@ def main(argv: list[str] | None = None) -> None:
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))
     elif a.measure_chunking:
-        measure_chunking(device=a.device, dtype=a.dtype)
+        gemma = a.chunking_model == "gemma2"
+        measure_chunking(SMALL_GEMMA2 if gemma else SMALL_QWEN, device=a.device, dtype=a.dtype, model_type=a.chunking_model)
     elif a.measure:
         print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device, a.logprob_chunk), flush=True)
         results = measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)

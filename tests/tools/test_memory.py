@@ -342,20 +342,23 @@ def test_the_measured_tables_carry_today_s_estimates():
         assert phase.split(" / ")[1] == memory.peak_phase(memory.phases(parts)), (label, phase)
     assert summary.startswith(memory.check_summary([float(r[4]) for r in rows])), summary
 
-    *rows, (summary,) = table_after(lines, memory.chunking_header(memory.SMALL_QWEN, 8, 512, "bfloat16", "cpu")
-                                    .splitlines()[0])
-    assert len(rows) == 4
-    for label, setting, update, part, pi_old in rows:
-        chunk = int(setting.split()[0])
-        e = memory.estimate(s, 8, 576, 512, 0.0, False, 0, 2, label == "+ entropy bonus", "cpu", chunk)
-        phases = memory.phases(e)
-        peak, estimated = (float(x) for x in update.removesuffix(" GiB").split(" / "))
-        assert estimated == round(memory.total(e) / gib, 2) and pi_old.endswith(f" / {phases['pi_old pass'] / gib:.2f} GiB")
-        assert abs(float(part.split()[0]) - (peak - (phases["update"] - e["logits"]) / gib)) < 0.011, (label, part)
-    # the tool's sentence reads unrounded peaks; from the table's rounded ones its range is the same within 0.01
-    ratios = [float(y) / float(x) for _, _, u, _, p in rows for x, y in (u[:-4].split(" / "), p[:-4].split(" / "))]
-    low, high = (float(x) for x in summary.rsplit("measured ", 1)[1].rstrip(").").split("-"))
-    assert abs(low - min(ratios)) < 0.011 and abs(high - max(ratios)) < 0.011, (summary, ratios)
+    for config in (memory.SMALL_QWEN, memory.SMALL_GEMMA2):  # --measure-chunking --chunking-model qwen2, gemma2
+        s = memory.shape_of_config(config)
+        *rows, (summary,) = table_after(lines, memory.chunking_header(config, 8, 512, "bfloat16", "cpu")
+                                        .splitlines()[0])
+        assert len(rows) == 4
+        for label, setting, update, part, pi_old in rows:
+            chunk = int(setting.split()[0])
+            e = memory.estimate(s, 8, 576, 512, 0.0, False, 0, 2, label == "+ entropy bonus", "cpu", chunk)
+            phases = memory.phases(e)
+            peak, estimated = (float(x) for x in update.removesuffix(" GiB").split(" / "))
+            assert estimated == round(memory.total(e) / gib, 2), (label, estimated)
+            assert pi_old.endswith(f" / {phases['pi_old pass'] / gib:.2f} GiB"), (label, pi_old)
+            assert abs(float(part.split()[0]) - (peak - (phases["update"] - e["logits"]) / gib)) < 0.011, (label, part)
+        # the tool's sentence reads unrounded peaks; from the table's rounded ones its range is the same within 0.01
+        ratios = [float(y) / float(x) for _, _, u, _, p in rows for x, y in (u[:-4].split(" / "), p[:-4].split(" / "))]
+        low, high = (float(x) for x in summary.rsplit("measured ", 1)[1].rstrip(").").split("-"))
+        assert abs(low - min(ratios)) < 0.011 and abs(high - max(ratios)) < 0.011, (summary, ratios)
 
 
 def test_the_measured_sharded_tables_carry_today_s_estimates():
