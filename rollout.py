@@ -249,12 +249,16 @@ GRAD_SLICE = 2**21  # entries of the head's gradient per product in HeadLogprobs
 # (2.9x faster than 2^24 at Qwen's widths here), and no (V, h) temporary
 
 
-def output_layers(model):
-    """(the head, the decoder whose output it reads) of a causal LM, through DDP's wrapper (.module) and
-    model.AdapterOff (.model); the decoder is None where the model has no get_decoder."""
+def causal_lm(model):
+    """The causal LM inside DDP's wrapper (.module) and model.AdapterOff (.model)."""
     inner = getattr(model, "module", model)
-    if not hasattr(inner, "get_output_embeddings"):
-        inner = inner.model
+    return inner if hasattr(inner, "get_output_embeddings") else inner.model
+
+
+def output_layers(model):
+    """(the head, the decoder whose output it reads) of a causal LM (causal_lm); the decoder is None where the model
+    has no get_decoder."""
+    inner = causal_lm(model)
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
     return inner.get_output_embeddings(), decoder
 
@@ -276,9 +280,8 @@ class LogitMap:
 
     @staticmethod
     def of(model) -> "LogitMap":
-        """The map `model`'s config names (through DDP's .module and model.AdapterOff's .model); check_head verifies it."""
-        inner = getattr(model, "module", model)
-        config = getattr(inner, "config", None) or getattr(getattr(inner, "model", None), "config", None)
+        """The map the config of `model` (causal_lm) names; check_head verifies it."""
+        config = causal_lm(model).config
         return LogitMap(getattr(config, "logit_scale", None) or 1.0, getattr(config, "logits_scaling", None) or 1.0,
                         getattr(config, "final_logit_softcapping", None))
 
@@ -351,8 +354,7 @@ class HeadLogprobs(torch.autograd.Function):
     def scores(h, w, b, temperature, logit_map):
         """z = f(head(h)) / temperature in fp32 (the head's matmul and f in w's dtype, as under the model's autocast):
         (n, V)."""
-        z = torch.nn.functional.linear(h.to(w.dtype), w, b)
-        z = (logit_map(z) if logit_map else z).float()
+        z = logit_map(torch.nn.functional.linear(h.to(w.dtype), w, b)).float()  # the identity map runs no operation
         return z if temperature == 1.0 else z.div_(temperature)  # in place: z / 1 is z, to the bit
 
     @staticmethod

@@ -299,7 +299,8 @@ SHARDED_CHECKS = [(SMALL_QWEN, 0.0), (dict(SMALL_QWEN, num_hidden_layers=8, voca
                   (SMALL_QWEN, 0.04)]  # --measure --fsdp, (config, β): a root (Qwen's vocabulary) that outweighs 2
 # layers, 8 layers that outweigh a 32,000-token vocabulary, and the first with β's reference sharded beside it
 SMALL_GEMMA2 = dict(SMALL_QWEN, vocab_size=256000, head_dim=64, final_logit_softcapping=30.0)  # the same widths with
-# Gemma 2's vocabulary and its soft cap of the logits (rollout.LogitMap): --measure-chunking --chunking-model gemma2
+# Gemma 2's vocabulary and its soft cap of the logits (rollout.LogitMap)
+CHUNKING_MODELS = {"qwen2": SMALL_QWEN, "gemma2": SMALL_GEMMA2}  # --measure-chunking --chunking-model (its type)
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 CHECKS = [("full fine-tune", False, 0, 0.0, False), ("full fine-tune", False, 0, 0.04, False),
@@ -888,8 +889,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.fsdp > 1:
         print(fsdp_table(a.fsdp))
     elif a.measure_chunking:
-        gemma = a.chunking_model == "gemma2"
-        measure_chunking(SMALL_GEMMA2 if gemma else SMALL_QWEN, device=a.device, dtype=a.dtype, model_type=a.chunking_model)
+        measure_chunking(CHUNKING_MODELS[a.chunking_model], device=a.device, dtype=a.dtype, model_type=a.chunking_model)
     elif a.measure:
         print(check_header(SMALL_QWEN, 4, 512, a.dtype, a.device, a.logprob_chunk), flush=True)
         results = measure(device=a.device, dtype=a.dtype, logprob_chunk=a.logprob_chunk)

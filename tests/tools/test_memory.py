@@ -342,7 +342,7 @@ def test_the_measured_tables_carry_today_s_estimates():
         assert phase.split(" / ")[1] == memory.peak_phase(memory.phases(parts)), (label, phase)
     assert summary.startswith(memory.check_summary([float(r[4]) for r in rows])), summary
 
-    for config in (memory.SMALL_QWEN, memory.SMALL_GEMMA2):  # --measure-chunking --chunking-model qwen2, gemma2
+    for config in memory.CHUNKING_MODELS.values():  # --measure-chunking --chunking-model qwen2, gemma2
         s = memory.shape_of_config(config)
         *rows, (summary,) = table_after(lines, memory.chunking_header(config, 8, 512, "bfloat16", "cpu")
                                         .splitlines()[0])
