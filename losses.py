@@ -1,14 +1,14 @@
-"""The objectives (GRPO, Dr.GRPO, DAPO, GSPO; CISPO, SAPO, GMPO), side by side, and the diagnostics that tell them
-apart. The file reads in the order policy_loss computes:
+"""The objectives (GRPO, Dr.GRPO, DAPO, GSPO; CISPO, SAPO, GMPO, LUSPO, VESPO), side by side, and the diagnostics
+that tell them apart. The file reads in the order policy_loss computes:
 
     1. the configuration (LossConfig) and the papers' presets (PRESETS), the step's normalisers (StepNorm)
     2. advantages                    GRPO's group-relative reward, RLOO, REINFORCE++-baseline, MaxRL
     3. the ratio                     importance_weights: rho_it, GSPO's s_i, GSPO-token's s_it
-    4. surrogates                    PPO's clip, CISPO, SAPO, GMPO (the table's order), then dual-clip, Clip-Cov,
-                                     KL-Cov; each states its clip rule once (ppo_clipped, cispo_weight, the gate's
-                                     slope, gmpo_log_ratio, dual_capped, clip_cov_candidates)
+    4. surrogates                    PPO's clip, CISPO, SAPO, GMPO, VESPO (the table's order), then dual-clip,
+                                     Clip-Cov, KL-Cov; each states its clip rule once (ppo_clipped, cispo_weight, the
+                                     gate's slope, gmpo_log_ratio, vespo_weight, dual_capped, clip_cov_candidates)
     5. the KL to the reference       k1 / k2 / k3, in the loss or in the reward
-    6. aggregation                   the three ways per-token losses become the step's number
+    6. aggregation                   the four ways per-token losses become the step's number
     7. policy_loss                   the loss of one micro-batch, all of the above
     8. options on the loss           the rollout correction (pi_old / mu), the entropy controls
     9. check_config                  the combinations the maths does not define, refused once at start-up
@@ -40,11 +40,14 @@ level) has the PPO clipped surrogate
 | dapo     | token    | 0.2 / 0.28     | (r - mean) / std   | token-mean               | 0    |
 | gspo     | sequence | 3e-4 / 4e-4    | (r - mean) / std   | seq-mean-token-mean      | 0    |
 
-The successors keep these axes and change the surrogate itself (`surrogate`, see `surrogate_loss`):
+The successors keep these axes and change the surrogate itself (`surrogate`, see `surrogate_loss`; LUSPO changes
+the aggregation instead; VESPO's cell is its kernel's (k, lambda) for A >= 0 / A < 0, and it has no clip range):
 
 | cispo    | token    | 1 / 4 (cap 5)  | (r - mean) / std   | token-mean               | 0    |  -sg(clip(rho)) A log pi
 | sapo     | token    | (tau 1 / 1.05) | (r - mean) / std   | seq-mean-token-mean      | 0    |  -sigmoid(tau(rho-1)) 4/tau A
 | gmpo     | sequence | 0.4 / 0.4 (log)| (r - mean) / std   | seq-mean-token-mean      | 0    |  -A exp(mean_t clipped l_t)
+| luspo    | sequence | 3e-4 / 4e-4    | (r - mean) / std   | seq-mean-token-sum       | 0    |  GSPO's L_i, times |y_i|
+| vespo    | token    | (2, 3 / 3, 2)  | (r - mean) / std   | token-mean               | 0    |  -sg(phi(W_i)) A log pi
 
 The options beyond the presets, each a LossConfig field (a train.py flag of the same name) unless marked:
 
@@ -53,6 +56,7 @@ The options beyond the presets, each a LossConfig field (a train.py flag of the 
 | scale_rewards          | TRL (batch); Dr.GRPO 2503.20783 (none)           | group          | group_advantages            |
 | surrogate              | the successors above; Clip-Cov, KL-Cov 2505.22617 | clip          | surrogate_loss              |
 | sapo_tau_pos / _neg    | SAPO 2511.20347                                  | 1.0 / 1.05     | sapo_surrogate              |
+| vespo_k_pos, _lambda_pos, vespo_k_neg, _lambda_neg | VESPO 2602.10693 | 2, 3 / 3, 2 | vespo_weight                |
 | clip_ratio_c           | dual-clip PPO 1912.09729 (verl)                  | None (off)     | dual_clip                   |
 | kl_estimator           | Schulman 2020 (k1, k2, k3)                       | k3             | kl_estimate                 |
 | kl_in                  | GRPO (loss); PPO-RLHF, verl (reward)             | loss           | policy_loss, kl_in_reward   |
@@ -79,14 +83,14 @@ from torch import Tensor
 
 
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
-AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
-Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"]
+AggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"]
+Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "vespo", "clip_cov", "kl_cov"]
 Estimator = Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl"]
 KLEstimator = Literal["k1", "k2", "k3"]
 KLIn = Literal["loss", "reward"]
 ScaleRewards = Literal["group", "batch", "none"]
 RolloutCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-Algo = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo"]  # the keys of PRESETS (tested)
+Algo = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "gmpo", "luspo", "vespo"]  # PRESETS' keys (tested)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class LossConfig:
     surrogate: Surrogate = "clip"  # what the ratio does to the gradient: see `surrogate_loss`
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # ... and for A <= 0
+    vespo_k_pos: float = 2.0  # VESPO's kernel phi(W) = e^lambda W^k e^(-lambda W) for A >= 0 (`vespo_weight`)
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # ... and for A < 0
+    vespo_lambda_neg: float = 2.0
     advantage_estimator: Estimator = "grpo"  # how rewards become advantages: see `advantages`
     clip_ratio_c: float | None = None  # dual-clip: for A < 0 the clip surrogate's loss is capped at -c A (`dual_clip`)
     kl_estimator: KLEstimator = "k3"  # which estimate of KL(pi_theta || pi_ref) beta weighs (`kl_estimate`)
@@ -135,6 +143,14 @@ PRESETS: dict[Algo, LossConfig] = {
     # GMPO (2507.20673): the geometric mean of the token ratios, each token's log-ratio clipped to (-0.4, 0.4)
     # (the paper's (e^-0.4, e^0.4)), sign-aware; one weight per sequence (verl's "geo_mean").
     "gmpo": LossConfig("sequence", "seq-mean-token-mean", 0.4, 0.4, beta=0.0, scale_rewards="group", surrogate="gmpo"),
+    # LUSPO (2602.05261): GSPO with each sequence's loss multiplied by its length, (1/B) sum_i |y_i| L_i, so that a
+    # long answer weighs no less than a short one (GSPO's 1/|y_i| shortens answers, the paper finds). GSPO's clip range
+    # (the paper's own was not readable here); TRL 1.16's loss_type "luspo".
+    "luspo": LossConfig("sequence", "seq-mean-token-sum", 3e-4, 4e-4, beta=0.0, scale_rewards="group"),
+    # VESPO (2602.10693): a smooth kernel of the unnormalised sequence ratio W_i = prod_t rho_it in place of a clip,
+    # a stop-gradient weight on every token's log pi as CISPO's; the paper's (k, lambda) 2, 3 for A >= 0 and 3, 2
+    # for A < 0 (its code's and TRL 1.16's defaults), token-mean (verl's default aggregation, TRL's). No clip range.
+    "vespo": LossConfig("token", "token-mean", 0.2, 0.2, beta=0.0, scale_rewards="group", surrogate="vespo"),
 }
 
 
@@ -323,6 +339,30 @@ def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, ep
     return -torch.exp(masked_seq_mean(clipped, mask)).unsqueeze(-1) * adv  # (B, 1) * (B, 1) -> broadcast (B, T)
 
 
+def vespo_weight(log_ratio: Tensor, adv: Tensor, mask: Tensor, k_pos: float, lambda_pos: float, k_neg: float,
+                 lambda_neg: float) -> Tensor:
+    """VESPO's kernel (2602.10693; TRL 1.16's get_gamma_weights): phi(W) = exp(lambda + k log W - lambda W), a gamma
+    shape in the sequence's whole ratio W_i = exp(sum_t l_it) (the product of its token ratios, not GSPO's geometric
+    mean), with phi(1) = 1; (k, lambda) = (k_pos, lambda_pos) where A >= 0, (k_neg, lambda_neg) where A < 0. phi
+    peaks at W = k / lambda and falls toward 0 on both sides: the rule that plays the clip's part. As TRL, each l_it
+    is bounded to [-20, 20] and log W to [log 1e-8, 20]. adv: (B, 1), or (B, T) per token. No gradient."""
+    log_w = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * mask).sum(-1, keepdim=True)  # (B, 1)
+    log_w = torch.clamp(log_w, math.log(1e-8), 20.0)
+    pos = adv >= 0
+    k = torch.where(pos, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+    lam = torch.where(pos, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # (B, 1), or (B, T) with per-token advantages
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
+
+
+def vespo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """VESPO: L_it = -sg(phi(W_i)) A_i log pi_theta(y_it), a REINFORCE gradient on every token, scaled by the kernel
+    of its sequence's whole ratio (vespo_weight): near 1 close to pi_old, toward 0 as the sequence drifts either way."""
+    phi = vespo_weight(logp - old_logp, adv, mask, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
+                       cfg.vespo_lambda_neg)
+    return -phi * adv * logp
+
+
 # Beyond the presets: dual-clip, and the entropy paper's Clip-Cov and KL-Cov
 
 
@@ -395,13 +435,16 @@ def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) 
 def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
                    generator: torch.Generator | None = None) -> Tensor:
     """Per-token losses (B, T) of the configured treatment of the ratio: PPO's clip, CISPO's capped stop-gradient
-    weight, SAPO's soft gate, GMPO's clipped geometric mean, or the entropy paper's Clip-Cov and KL-Cov."""
+    weight, SAPO's soft gate, GMPO's clipped geometric mean, VESPO's kernel, or the entropy paper's Clip-Cov and
+    KL-Cov. (LUSPO is PPO's clip at sequence level: it differs from GSPO in its aggregation.)"""
     if cfg.surrogate == "clip_cov":
         return clip_cov_surrogate(logp, old_logp, adv.expand_as(logp), mask, cfg.epsilon, cfg.epsilon_high, generator)
     if cfg.surrogate == "kl_cov":
         return kl_cov_surrogate(logp, old_logp, adv, mask)
     if cfg.surrogate == "gmpo":
         return gmpo_surrogate(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high).expand_as(logp)
+    if cfg.surrogate == "vespo":
+        return vespo_surrogate(logp, old_logp, adv, mask, cfg)
     w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)  # (B, T)
     if cfg.surrogate == "cispo":
         return cispo_surrogate(logp, w, adv, cfg.epsilon, cfg.epsilon_high)
@@ -410,7 +453,7 @@ def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cf
     if cfg.surrogate == "clip":
         loss = clipped_surrogate(w, adv, cfg.epsilon, cfg.epsilon_high)
         return loss if cfg.clip_ratio_c is None else dual_clip(loss, adv, cfg.clip_ratio_c)
-    raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo, gmpo, clip_cov or kl_cov")
+    raise ValueError(f"unknown surrogate {cfg.surrogate!r}; use clip, cispo, sapo, gmpo, vespo, clip_cov or kl_cov")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -457,6 +500,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) ->
     seq-mean-token-mean       (1/B) sum_i (1/|y_i|) sum_t L_it     GRPO, GSPO: a long answer's tokens weigh less
     token-mean                (1/sum_i |y_i|) sum_it L_it         DAPO: every token of the step weighs the same
     seq-mean-token-sum-norm   (1/(B * max_new_tokens)) sum_it L_it Dr.GRPO: a constant; no length re-weights
+    seq-mean-token-sum        (1/B) sum_i sum_t L_it              LUSPO: a sequence's L_i counts |y_i| times
     """
     masked = per_token * mask
     if mode == "seq-mean-token-mean":
@@ -465,7 +509,10 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: AggMode, norm: StepNorm) ->
         return masked.sum() / max(norm.num_tokens, 1)
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / (norm.num_seqs * norm.max_new_tokens)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; use seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / norm.num_seqs
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; use seq-mean-token-mean, token-mean, seq-mean-token-sum-norm "
+                     "or seq-mean-token-sum")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -496,6 +543,8 @@ def policy_loss(
     cispo  L_it = -sg(clip(rho_it, 1-eps, 1+eps_high)) A_i log pi_theta(y_it)
     sapo   L_it = -f(rho_it) A_i,  f(rho) = sigmoid(tau (rho - 1)) 4 / tau,  tau = tau_pos if A > 0 else tau_neg
     gmpo   L_i = -A_i exp((1/|y_i|) sum_t l'_it),  l'_it = l_it clipped to [-eps, eps_high] on the side A's sign picks
+    luspo  GSPO's L_i, aggregated by seq-mean-token-sum: (1/B) sum_i |y_i| L_i
+    vespo  L_it = -sg(phi(W_i)) A_i log pi_theta(y_it),  W_i = prod_t rho_it,  phi(W) = e^lambda W^k e^(-lambda W)
 
     Summing the returned losses of the micro-batches of a step (each with the step's `norm`) gives exactly the
     loss of the whole step. The ratio and clip statistics of the update are `ratio_diagnostics`, computed once per
@@ -628,6 +677,13 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
     if cfg.surrogate == "cispo" and cfg.importance_sampling_level != "token":
         raise ValueError("CISPO weights each token's log-probability by its own capped ratio; a sequence-level "
                          "weight is not defined for it (TRL refuses it too): use --importance-sampling-level token")
+    if cfg.surrogate == "vespo" and cfg.importance_sampling_level != "token":
+        raise ValueError("VESPO computes its own weight from the product of each sequence's token ratios; another "
+                         "ratio level is not defined for it: use --importance-sampling-level token (TRL's setting)")
+    if cfg.surrogate == "vespo" and (min(cfg.vespo_lambda_pos, cfg.vespo_lambda_neg) <= 0
+                                     or min(cfg.vespo_k_pos, cfg.vespo_k_neg) < 0):
+        raise ValueError("VESPO's kernel needs lambda > 0 and k >= 0 (--vespo-lambda-pos/-neg, --vespo-k-pos/-neg; "
+                         "the paper's 3, 2 and 2, 3)")
     if cfg.surrogate == "gmpo" and cfg.importance_sampling_level != "sequence":
         raise ValueError("GMPO's weight is one per sequence (the geometric mean of its clipped token ratios): use "
                          "--importance-sampling-level sequence")
@@ -698,7 +754,8 @@ def cov_fraction(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg:
 def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: Tensor) -> float:
     """The fraction of units that `cfg` would clip: tokens at token level, sequences at sequence level. For the
     successors, what plays the clip's part: CISPO's capped weights, the units SAPO's gate leaves under half their
-    gradient (f'(w) < 0.5), GMPO's clipped token log-ratios."""
+    gradient (f'(w) < 0.5), GMPO's clipped token log-ratios, the sequences VESPO's kernel leaves under half their
+    gradient (phi(W) < 0.5; sequences at any level)."""
     valid = mask > 0
     if cfg.surrogate == "kl_cov":  # no clip: the share of tokens it penalises
         return cov_tokens(int(valid.sum())) / max(int(valid.sum()), 1)
@@ -711,6 +768,11 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
         changed = gmpo_log_ratio(log_ratio, adv_tok, cfg.epsilon, cfg.epsilon_high) != log_ratio
         clipped = changed & (adv_tok != 0) & valid
         return float(clipped.sum() / valid.sum().clamp(min=1))
+    if cfg.surrogate == "vespo":
+        seqs = mask.sum(-1) > 0
+        phi = vespo_weight(log_ratio, masked_seq_mean(adv_tok, mask).unsqueeze(-1), mask, cfg.vespo_k_pos,
+                           cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg).squeeze(-1)  # (B,)
+        return float(((phi < 0.5) & seqs).sum() / seqs.sum().clamp(min=1))
     if cfg.surrogate == "sapo":
         if cfg.importance_sampling_level == "token":
             low = (sapo_gate_slope(torch.exp(log_ratio), adv_tok, cfg) < 0.5) & valid
@@ -740,10 +802,11 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     clip/seq_token_frac  the sequence-level clip in the GSPO paper's unit: the share of tokens that lie in the
                          sequences it clips (a clipped sequence clips all its tokens)
     clip/frac            the fraction the trained objective actually clips (token or sequence units; for CISPO,
-                         SAPO and GMPO what plays the clip's part: see clip_fraction_of)
+                         SAPO, GMPO and VESPO what plays the clip's part: see clip_fraction_of)
     approx_kl            k3 estimate of KL(pi_old || pi_theta) per token
     clip/dual_frac       with dual-clip (clip_ratio_c): the fraction of tokens whose loss it capped
     clip/cov_frac        with Clip-Cov / KL-Cov: the fraction of tokens whose gradient it cut / that it penalised
+    clip/vespo_phi_mean  with VESPO: its kernel phi(W_i), the weight on each sequence's gradient, mean over sequences
     The study's own instrumentation (what every preset would clip, SAPO's gate, length buckets) is in metrics.py.
     """
     mask = mask.to(logp.dtype)
@@ -777,6 +840,10 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     }
     if cfg.surrogate in ("clip_cov", "kl_cov"):  # the tokens the covariance rule cut (Clip-Cov) or penalised (KL-Cov)
         diag["clip/cov_frac"] = cov_fraction(logp, old_logp, adv_tok, mask, cfg)
+    if cfg.surrogate == "vespo":  # the kernel's weight on each sequence (1 on-policy)
+        phi = vespo_weight(log_ratio, a_seq.unsqueeze(-1), mask, cfg.vespo_k_pos, cfg.vespo_lambda_pos,
+                           cfg.vespo_k_neg, cfg.vespo_lambda_neg).squeeze(-1)  # (B,)
+        diag["clip/vespo_phi_mean"] = masked_mean(phi, seq_mask)
     if cfg.clip_ratio_c is not None:  # what dual-clip capped: the units with A < 0 whose loss it bounded
         w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
         diag["clip/dual_frac"] = dual_clip_fraction(w, adv_tok, cfg, mask)

@@ -99,7 +99,8 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     loss_agg_mode: losses.AggMode | None = None
     """how per-token losses become the step's loss (losses.aggregate): seq-mean-token-mean, a mean per sequence then
     over sequences (GRPO, GSPO); token-mean, over every token of the step (DAPO); seq-mean-token-sum-norm, the sum
-    divided by B x max_new_tokens (Dr.GRPO)"""
+    divided by B x max_new_tokens (Dr.GRPO); seq-mean-token-sum, the sum over each sequence's tokens, mean over
+    sequences (LUSPO)"""
     epsilon: float | None = None
     """lower clip range: w >= 1 - epsilon"""
     epsilon_high: float | None = None
@@ -125,11 +126,21 @@ class Args(settings.DataSource, settings.Hardware, settings.LoRA, settings.Evalu
     top_entropy_quantile: float | None = None
     """train the policy term only on this top fraction of tokens by entropy (0.2: the 80/20 paper); 1: all"""
     surrogate: losses.Surrogate | None = None
-    """what the ratio does to the gradient: PPO's clip, CISPO, SAPO, GMPO, or the entropy paper's Clip-Cov, KL-Cov"""
+    """what the ratio does to the gradient: PPO's clip, CISPO, SAPO, GMPO, VESPO, or the entropy paper's Clip-Cov,
+    KL-Cov"""
     sapo_tau_pos: float | None = None
     """SAPO's gate temperature for tokens with A > 0"""
     sapo_tau_neg: float | None = None
     """SAPO's gate temperature for tokens with A <= 0"""
+    vespo_k_pos: float | None = None
+    """VESPO's kernel phi(W) = e^lambda W^k e^(-lambda W) of each sequence's ratio W (the product of its token
+    ratios): k for A >= 0"""
+    vespo_lambda_pos: float | None = None
+    """VESPO's kernel: lambda for A >= 0 (phi peaks at W = k / lambda)"""
+    vespo_k_neg: float | None = None
+    """VESPO's kernel: k for A < 0"""
+    vespo_lambda_neg: float | None = None
+    """VESPO's kernel: lambda for A < 0"""
 
     mask_truncated: bool = False
     """completions without EOS within max_new_tokens give no loss (DAPO's overlong filtering; TRL's)"""

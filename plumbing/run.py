@@ -51,11 +51,15 @@ def resolve(args) -> tuple[object, LossConfig]:
     no_kl, no_gate, estimator = filled["beta"] == 0, filled["surrogate"] != "sapo", filled["advantage_estimator"]
     no_kl_why = "shapes the KL term, which beta 0 turns off: set --beta > 0 (GRPO's 0.04)"
     no_gate_why = f"is SAPO's gate temperature; --surrogate {filled['surrogate']} has no gate: use --algo sapo"
+    no_kernel = filled["surrogate"] != "vespo"
+    no_kernel_why = f"shapes VESPO's kernel; --surrogate {filled['surrogate']} has none: use --algo vespo"
     for field, unread, why in (
             ("scale_rewards", estimator != "grpo", f"is grpo's divisor; --advantage-estimator {estimator} has its own "
                                                    "normalisation: use --advantage-estimator grpo"),
             ("kl_estimator", no_kl, no_kl_why), ("kl_in", no_kl, no_kl_why), ("kl_ratio_correction", no_kl, no_kl_why),
-            ("sapo_tau_pos", no_gate, no_gate_why), ("sapo_tau_neg", no_gate, no_gate_why)):
+            ("sapo_tau_pos", no_gate, no_gate_why), ("sapo_tau_neg", no_gate, no_gate_why),
+            *((f, no_kernel, no_kernel_why) for f in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                                      "vespo_lambda_neg"))):
         if unread and getattr(args, field) not in (None, getattr(preset, field)):
             flag = "--" + field.replace("_", "-")
             raise ConfigError(f"{flag} {getattr(args, field)} {why}, or drop {flag} (--algo {args.algo})")

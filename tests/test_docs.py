@@ -20,11 +20,14 @@ def test_readme_objectives_table_matches_the_presets():
         _, _, _, eps, _, agg, beta, _ = rows[name]
         assert agg == f"`{cfg.loss_agg_mode}`", name
         assert float(beta) == cfg.beta, name
-        if cfg.surrogate != "sapo":  # SAPO's clip range is unused; its cell names the temperatures
+        if cfg.surrogate == "sapo":  # SAPO's and VESPO's clip range is unused; their cells name the gate and kernel
+            assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
+        elif cfg.surrogate == "vespo":
+            assert f"k, λ {cfg.vespo_k_pos:g}, {cfg.vespo_lambda_pos:g} / {cfg.vespo_k_neg:g}, " \
+                   f"{cfg.vespo_lambda_neg:g}" in eps, name
+        else:
             low, high = (float(x.split()[0]) for x in eps.split(" / "))
             assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
-        else:
-            assert f"τ {cfg.sapo_tau_pos:g} / {cfg.sapo_tau_neg:g}" in eps
 
 
 def test_losses_docstring_table_matches_the_presets():
@@ -40,7 +43,10 @@ def test_losses_docstring_table_matches_the_presets():
     for name, cfg in losses.PRESETS.items():
         _, level, eps, _, agg, beta, *_ = rows[name]
         assert cfg.importance_sampling_level == level and cfg.loss_agg_mode == agg and float(beta) == cfg.beta, name
-        if cfg.surrogate != "sapo":
+        if cfg.surrogate == "vespo":
+            assert eps == f"({cfg.vespo_k_pos:g}, {cfg.vespo_lambda_pos:g} / {cfg.vespo_k_neg:g}, " \
+                          f"{cfg.vespo_lambda_neg:g})", name
+        elif cfg.surrogate != "sapo":
             low, high = (float(x.split()[0]) for x in eps.split(" / "))
             assert (low, high) == (cfg.epsilon, cfg.epsilon_high), name
 

@@ -84,11 +84,11 @@ def test_on_policy_ratios_are_one_nothing_clips_loss_is_minus_agg_adv(algo):
     adv = torch.tensor([0.7, -1.3, 0.2, 0.4])  # not zero-mean, so -agg(A) is not 0
     cfg = PRESETS[algo]
     loss, grad, diag = run(cfg, logp, old, adv, mask, ref=old)
-    # the per-token value on-policy: A for the clip and GMPO; f(1) A = (2 / tau) A for SAPO; A log pi for CISPO
+    # the per-token value on-policy: A for the clip and GMPO; f(1) A = (2 / tau) A for SAPO; A log pi for CISPO, VESPO
     per_token = adv.unsqueeze(-1).expand(4, T).to(torch.float64)
     if cfg.surrogate == "sapo":
         per_token = per_token * 2 / torch.where(per_token > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    if cfg.surrogate == "cispo":
+    if cfg.surrogate in ("cispo", "vespo"):  # on-policy CISPO's weight and VESPO's kernel are 1
         per_token = per_token * old
     masked = per_token * mask
     n = mask.sum(-1)
@@ -96,6 +96,7 @@ def test_on_policy_ratios_are_one_nothing_clips_loss_is_minus_agg_adv(algo):
         "seq-mean-token-mean": (masked.sum(-1) / n).mean(),
         "token-mean": masked.sum() / n.sum(),
         "seq-mean-token-sum-norm": masked.sum() / (4 * MAX_NEW),
+        "seq-mean-token-sum": masked.sum(-1).mean(),
     }[cfg.loss_agg_mode]
     assert loss == pytest.approx(-agg.item(), abs=1e-12)
     assert diag["ratio/token_mean"] == 1.0 and diag["ratio/token_var"] == 0.0

@@ -1,5 +1,5 @@
-"""CISPO, SAPO and GMPO: against TRL 1.16's own _compute_loss (CISPO, SAPO), against GMPO's equation written out
-here and against verl's `geo_mean` (GMPO), and the properties each paper states."""
+"""CISPO, SAPO, GMPO, LUSPO and VESPO: against TRL 1.16's own _compute_loss (CISPO, SAPO, LUSPO, VESPO), against
+GMPO's equation written out here and against verl's `geo_mean` (GMPO), and the properties each paper states."""
 
 import math
 from dataclasses import replace
@@ -95,6 +95,55 @@ def test_cispo_and_sapo_equal_trl(shift):
         assert (torch.exp(logp - old)[mask > 0] > 1 + PRESETS["cispo"].epsilon_high).any()
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.05, 1.5])
+def test_luspo_and_vespo_equal_trl(shift):
+    """LUSPO against TRL's loss_type "luspo" at sequence level, VESPO against "vespo" (its get_gamma_weights, the
+    paper's k and lambda), in loss and gradient."""
+    from trl import GRPOTrainer
+
+    logp, old, adv, mask = batch(shift)
+    luspo = trl("luspo", logp, old, adv, mask, _level="sequence", epsilon_low=PRESETS["luspo"].epsilon,
+                epsilon_high=PRESETS["luspo"].epsilon_high)
+    cfg = PRESETS["vespo"]
+    fake = trl_stand_in("vespo", args={"vespo_k_pos": cfg.vespo_k_pos, "vespo_lambda_pos": cfg.vespo_lambda_pos,
+                                       "vespo_k_neg": cfg.vespo_k_neg, "vespo_lambda_neg": cfg.vespo_lambda_neg},
+                        epsilon_low=0.2, epsilon_high=0.2)
+    fake.get_gamma_weights = GRPOTrainer.get_gamma_weights
+    vespo = trl_loss(fake, logp, old, adv, mask)
+    for name, theirs in (("luspo", luspo), ("vespo", vespo)):
+        mine = ours(PRESETS[name], logp, old, adv, mask)
+        assert mine[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14), name
+        assert torch.allclose(mine[1], theirs[1], rtol=1e-10, atol=1e-14), name
+    phi = losses.vespo_weight(logp - old, adv.unsqueeze(-1), mask, 2.0, 3.0, 3.0, 2.0)
+    if shift == 0.0:
+        assert torch.equal(phi, torch.ones_like(phi))  # on-policy: W = 1, phi(1) = 1
+    if shift == 1.5:  # the comparison saw the kernel damp some sequences and the clip bind on some
+        assert (phi < 0.5).any() and (phi > 0.5).any()
+        assert losses.ratio_diagnostics(logp, old, adv, mask, PRESETS["luspo"])["clip/seq_frac"] > 0
+
+
+def test_luspo_is_gspo_with_each_sequence_counted_by_its_length():
+    logp, old, adv, mask = batch(0.05, seed=5)
+    for i in range(len(LENGTHS)):  # one sequence at a time: LUSPO's loss is |y_i| times GSPO's
+        row = slice(i, i + 1)
+        gspo, luspo = (ours(PRESETS[a], logp[row], old[row], adv[row], mask[row]) for a in ("gspo", "luspo"))
+        assert luspo[0] == pytest.approx(LENGTHS[i] * gspo[0], rel=1e-12)
+        assert torch.allclose(luspo[1], LENGTHS[i] * gspo[1], rtol=1e-12, atol=1e-15)
+
+
+def test_vespo_kernel_is_one_on_policy_peaks_at_k_over_lambda_and_vanishes_far_away():
+    mask = torch.ones(1, 1)
+    for adv, (k, lam) in ((1.0, (2.0, 3.0)), (-1.0, (3.0, 2.0))):
+        def phi(w):
+            return losses.vespo_weight(torch.tensor([[math.log(w)]]), torch.tensor([[adv]]), mask, 2.0, 3.0, 3.0,
+                                       2.0).item()
+        assert phi(1.0) == pytest.approx(1.0)
+        peak = k / lam
+        assert phi(peak) > max(phi(peak * 0.9), phi(peak * 1.1), 1.0)  # its maximum, above the on-policy weight
+        assert phi(peak) == pytest.approx(math.exp(lam + k * math.log(peak) - k))
+        assert phi(1e-4) < 1e-6 and phi(20.0) < 1e-6  # a sequence far from pi_old, either way, gets no gradient
+
+
 def test_cispo_keeps_every_token_in_the_gradient_where_ppo_drops_clipped_ones():
     logp, old, adv, mask = batch(0.6, seed=1)
     _, g_cispo = ours(PRESETS["cispo"], logp, old, adv, mask)
@@ -172,6 +221,10 @@ def test_combinations_the_maths_does_not_define_are_refused():
         losses.check_config(replace(PRESETS["cispo"], importance_sampling_level="sequence"))
     with pytest.raises(ValueError, match="GMPO's weight is one per sequence"):
         losses.check_config(replace(PRESETS["gmpo"], importance_sampling_level="token"))
+    with pytest.raises(ValueError, match="VESPO computes its own weight"):
+        losses.check_config(replace(PRESETS["vespo"], importance_sampling_level="sequence"))
+    with pytest.raises(ValueError, match="VESPO's kernel needs lambda > 0"):
+        losses.check_config(replace(PRESETS["vespo"], vespo_lambda_pos=0.0))
     # SAPO's gate is defined on any ratio: at sequence level it gates GSPO's s_i
     losses.check_config(replace(PRESETS["sapo"], importance_sampling_level="sequence"))
     ours(replace(PRESETS["sapo"], importance_sampling_level="sequence"), logp, old, adv, mask)
@@ -222,6 +275,18 @@ def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage(
     zero = adv.clone()
     zero[:] = 0.0  # every group's rewards equal: nothing is clipped, however far the ratios have moved
     assert losses.ratio_diagnostics(logp, old, zero, mask, cfg)["clip/frac"] == 0.0
+
+
+def test_vespo_clip_fraction_counts_the_sequences_its_kernel_leaves_under_half_their_gradient():
+    logp, old, adv, mask = batch(0.6, seed=4)
+    log_w = ((logp - old) * mask).sum(-1)  # (B,) log of each sequence's whole ratio
+    k = torch.where(adv >= 0, 2.0, 3.0)
+    lam = torch.where(adv >= 0, 3.0, 2.0)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # the kernel, by hand
+    diag = losses.ratio_diagnostics(logp, old, adv, mask, PRESETS["vespo"])
+    assert diag["clip/frac"] == pytest.approx(float((phi < 0.5).sum()) / len(LENGTHS))
+    assert 0 < diag["clip/frac"] < 1  # some sequences damped, not all
+    assert diag["clip/vespo_phi_mean"] == pytest.approx(float(phi.mean()))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -266,7 +266,8 @@ def steps_to(run: dict, threshold: float) -> float:
 # An algorithm keeps one colour, and a setting of the swept axes one line style, in every figure (a new preset in
 # losses.PRESETS needs its colour here: tested).
 ALGO_COLORS = {"gspo": "tab:blue", "grpo": "tab:orange", "dr_grpo": "tab:green", "dapo": "tab:red",
-               "cispo": "tab:purple", "sapo": "tab:brown", "gmpo": "tab:pink"}
+               "cispo": "tab:purple", "sapo": "tab:brown", "gmpo": "tab:pink", "luspo": "tab:olive",
+               "vespo": "tab:cyan"}
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
 
 

@@ -124,6 +124,11 @@ FLAGS = [
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
     (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
+    (["--algo", "vespo", "--importance-sampling-level", "sequence"], "VESPO computes its own weight"),
+    (["--algo", "vespo", "--vespo-lambda-neg", "0"], "VESPO's kernel needs lambda > 0 and k >= 0"),
+    (["--algo", "vespo", "--vespo-k-pos", "-1"], "VESPO's kernel needs lambda > 0 and k >= 0"),
+    (["--algo", "vespo", "--rollout-correction", "token_truncate"], "VESPO folds that ratio into its kernel"),
+    (["--algo", "luspo", "--vespo-k-pos", "3"], "--vespo-k-pos 3.0 shapes VESPO's kernel; --surrogate clip has none"),
     (["--advantage-estimator", "rloo", "--scale-rewards", "none"],
      "--scale-rewards none is grpo's divisor; --advantage-estimator rloo has its own normalisation"),
     (["--algo", "dr_grpo", "--advantage-estimator", "maxrl", "--scale-rewards", "group"], "--scale-rewards group"),
@@ -642,7 +647,7 @@ def test_help_documents_every_flag(capsys):
         assert "(default:" in entry and len(entry.split("(default:")[0].split()) > 4, entry
     flat = " ".join(text.split())
     # a field whose default comes from --algo or --dataset shows the real default, not "(default: None)"
-    assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003, cispo 1.0, sapo 0.2, gmpo 0.4)" in flat
+    assert "(default from --algo: grpo 0.2, dr_grpo 0.2, dapo 0.2, gspo 0.0003, cispo 1.0, sapo 0.2, gmpo 0.4, luspo 0.0003, vespo 0.2)" in flat
     assert "(default: 64; 360 for --dataset embedded-long(-instruct); 256 for a file or hub dataset with a pretrained --model)" in flat
     assert "(default: None)" not in flat
     assert max(len(line) for line in text.split("╭")[0].splitlines()) <= 100
