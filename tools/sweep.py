@@ -1,9 +1,9 @@
 """Ablation sweeps: a grid of train.py runs, then a report that puts the algorithms side by side.
 
-    python -m tools.sweep                                    # 7 algorithms x 3 seeds, defaults, 2 runs at a time
+    python -m tools.sweep                                    # 9 algorithms x 3 seeds, defaults, 2 runs at a time
     python -m tools.sweep --algos gspo grpo --seeds 0 --set lr=1e-4,3e-4 --set num_minibatches=2,4
     python -m tools.sweep --report-only --name default       # rebuild the report from the sweep's packed data
-    python -m tools.sweep --report-only --report-dir docs/sweep  # the committed 7 x 3 sweep, from docs/sweep/data/
+    python -m tools.sweep --report-only --report-dir docs/sweep  # the committed 9 x 3 sweep, from docs/sweep/data/
     python -m tools.sweep --algos gspo grpo --total-steps 20 # any other flag goes to every train.py run
 
 Each run is its own `python train.py` process, logged to wandb (group = the sweep name, tags = algo and sweep)
@@ -356,7 +356,8 @@ def detail_tables(runs: list[dict]) -> list[str]:
     out = ["Held-out accuracy before training, per seed (each seed has its own warm start): "
            + ", ".join(f"seed {s} {a:.3f}" for s, a in seeds) + ".", "",
            "Shadow clip fractions: what each preset's rule would clip on each group's batches (sequences for GSPO, "
-           "tokens otherwise; the diagonal is what the group itself clipped).", "",
+           "LUSPO and VESPO's kernel, tokens otherwise; the diagonal is what the group itself clipped; - where the "
+           "runs were logged before that preset existed).", "",
            "| rule \\ batches of | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     shadow = sorted({k.removeprefix("clip/shadow_") for r in runs for row in r["rows"] for k in row
                      if k.startswith("clip/shadow_")}, key=paper_order)
@@ -434,7 +435,7 @@ def readme_table(runs: list[dict], threshold: float) -> str:
              + " / ".join(f"{before[s]:.3f}" for s in seeds) + " before training (each seed's warm start, shared by "
              "every objective). The sweep gave each run one thread, which rounds differently from the two-thread "
              f"printout above: its gspo seed 0 ends at {seed0.get('gspo', float('nan')):.3f} ([command, machine and "
-             "spread](docs/short-task.md#the-seven-objectives-side-by-side)).", "",
+             "spread](docs/short-task.md#the-nine-objectives-side-by-side)).", "",
              f"| `--algo` | at step {first}: mean (per seed) | after: mean ± sd (n) | after, per seed | minutes per run |",
              "|---|---|---|---|---|"]
     for r in rows:
@@ -550,7 +551,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
               "area under the held-out learning curve per evaluation; it tells apart objectives that end alike but "
               "learn at different speeds. Steps to the threshold: the first evaluated step at or above "
               "it, n/a where none was; it cannot be finer than --eval-every. Clip fraction: of sequences for "
-              "sequence-level ratios, of tokens otherwise. Length change: mean completion length over the last 10 "
+              "sequence-level ratios and VESPO's kernel, of tokens otherwise. Length change: mean completion length over the last 10 "
               "steps minus the first 10, n/a under 20 steps.)", ""] + detail_tables(runs)
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
