@@ -37,6 +37,11 @@ HARMLESS = {"total_steps", "eval_every", "eval_size", "output_dir", "run_name", 
             "merge_lora", "gradient_checkpointing", "log_study_metrics", "log_completions_every"}
 
 
+# Settings newer than some checkpoints, with the value every run before them computed with (VESPO's kernel: no
+# earlier objective read it): a checkpoint without the key resumes where the run keeps that value.
+ADDED_SINCE = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+
+
 class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be resumed from; the message says why and what to do."""
 
@@ -243,7 +248,7 @@ def load_state(path: Path) -> dict:
 def compare_configs(saved: dict, current: dict, path: Path | None = None) -> list[str]:
     """Refuse a resume that changes what the run computes, naming how to train from the checkpoint's weights with
     the new settings instead; return the harmless changes, for the log."""
-    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k, ADDED_SINCE.get(k)) != current.get(k))
     meaningful = [k for k in changed if k not in HARMLESS]
     if meaningful:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in meaningful)

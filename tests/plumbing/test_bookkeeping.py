@@ -56,6 +56,18 @@ def test_a_resume_refuses_every_change_to_what_the_run_computes_and_allows_the_r
                 checkpoint.compare_configs(saved, changed)
 
 
+def test_a_checkpoint_older_than_a_setting_resumes_at_that_settings_old_value():
+    """A checkpoint written before VESPO's flags existed (its config lacks them) resumes a run that resolves them to
+    the values no earlier objective read, and is refused one that sets them otherwise."""
+    from plumbing import run as runs
+
+    current = dataclasses.asdict(runs.resolve(train.Args(algo="gspo"))[0])
+    saved = {k: v for k, v in current.items() if k not in checkpoint.ADDED_SINCE}
+    assert set(checkpoint.ADDED_SINCE) <= set(current) and checkpoint.compare_configs(saved, current) == []
+    with pytest.raises(checkpoint.CheckpointError, match="differs in vespo_k_pos: "):
+        checkpoint.compare_configs(saved, {**current, "vespo_k_pos": 5.0})
+
+
 def test_a_refused_resume_names_how_to_train_from_the_checkpoints_weights(tmp_path):
     """Changing --lr (say) cannot resume a run, but its weights can start a new one: the refusal names --model and
     the checkpoint's model/ folder (a --fsdp checkpoint's weights are shards: --export first; a LoRA adapter, which
