@@ -340,13 +340,19 @@ def gmpo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, ep
 
 
 def vespo_weight(log_ratio: Tensor, adv: Tensor, mask: Tensor, k_pos: float, lambda_pos: float, k_neg: float,
-                 lambda_neg: float) -> Tensor:
+                 lambda_neg: float, rollout_weight: Tensor | None = None) -> Tensor:
     """VESPO's kernel (2602.10693; TRL 1.16's get_gamma_weights): phi(W) = exp(lambda + k log W - lambda W), a gamma
     shape in the sequence's whole ratio W_i = exp(sum_t l_it) (the product of its token ratios, not GSPO's geometric
     mean), with phi(1) = 1; (k, lambda) = (k_pos, lambda_pos) where A >= 0, (k_neg, lambda_neg) where A < 0. phi
     peaks at W = k / lambda and falls toward 0 on both sides: the rule that plays the clip's part. As TRL, each l_it
-    is bounded to [-20, 20] and log W to [log 1e-8, 20]. adv: (B, 1), or (B, T) per token. No gradient."""
+    is bounded to [-20, 20] and log W to [log 1e-8, 20]. adv: (B, 1), or (B, T) per token. No gradient.
+
+    With the token-level rollout correction, W is pi_theta / mu rather than pi_theta / pi_old: each token's bounded
+    weight w_it = pi_old / mu joins the sum in log space, log w_it bounded to [log 1e-8, 20] (a masked token's w = 0
+    then drops its whole sequence), as the paper's code and TRL fold it in, instead of multiplying the loss."""
     log_w = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * mask).sum(-1, keepdim=True)  # (B, 1)
+    if rollout_weight is not None:
+        log_w = log_w + (torch.clamp(torch.log(rollout_weight), math.log(1e-8), 20.0) * mask).sum(-1, keepdim=True)
     log_w = torch.clamp(log_w, math.log(1e-8), 20.0)
     pos = adv >= 0
     k = torch.where(pos, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
@@ -355,11 +361,12 @@ def vespo_weight(log_ratio: Tensor, adv: Tensor, mask: Tensor, k_pos: float, lam
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def vespo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+def vespo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
+                    rollout_weight: Tensor | None = None) -> Tensor:
     """VESPO: L_it = -sg(phi(W_i)) A_i log pi_theta(y_it), a REINFORCE gradient on every token, scaled by the kernel
     of its sequence's whole ratio (vespo_weight): near 1 close to pi_old, toward 0 as the sequence drifts either way."""
     phi = vespo_weight(logp - old_logp, adv, mask, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
-                       cfg.vespo_lambda_neg)
+                       cfg.vespo_lambda_neg, rollout_weight)
     return -phi * adv * logp
 
 
@@ -433,10 +440,11 @@ def kl_cov_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor) 
 
 
 def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
-                   generator: torch.Generator | None = None) -> Tensor:
+                   generator: torch.Generator | None = None, rollout_weight: Tensor | None = None) -> Tensor:
     """Per-token losses (B, T) of the configured treatment of the ratio: PPO's clip, CISPO's capped stop-gradient
     weight, SAPO's soft gate, GMPO's clipped geometric mean, VESPO's kernel, or the entropy paper's Clip-Cov and
-    KL-Cov. (LUSPO is PPO's clip at sequence level: it differs from GSPO in its aggregation.)"""
+    KL-Cov. (LUSPO is PPO's clip at sequence level: it differs from GSPO in its aggregation.) rollout_weight: the
+    rollout correction's w, which VESPO alone reads here (policy_loss multiplies the others' losses by it)."""
     if cfg.surrogate == "clip_cov":
         return clip_cov_surrogate(logp, old_logp, adv.expand_as(logp), mask, cfg.epsilon, cfg.epsilon_high, generator)
     if cfg.surrogate == "kl_cov":
@@ -444,7 +452,7 @@ def surrogate_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cf
     if cfg.surrogate == "gmpo":
         return gmpo_surrogate(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high).expand_as(logp)
     if cfg.surrogate == "vespo":
-        return vespo_surrogate(logp, old_logp, adv, mask, cfg)
+        return vespo_surrogate(logp, old_logp, adv, mask, cfg, rollout_weight)
     w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)  # (B, T)
     if cfg.surrogate == "cispo":
         return cispo_surrogate(logp, w, adv, cfg.epsilon, cfg.epsilon_high)
@@ -552,11 +560,12 @@ def policy_loss(
     """
     mask = mask.to(logp.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)  # (B, T) or (B, 1)
-    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator)  # (B, T)
+    per_token = surrogate_loss(logp, old_logp, adv, mask, cfg, generator, rollout_weight)  # (B, T)
     effective = trained_tokens(entropy, mask, cfg.top_entropy_quantile)  # (B, T)
     if cfg.top_entropy_quantile < 1.0:  # only the highest-entropy tokens keep their policy loss (not the KL)
         per_token = per_token * effective
-    if rollout_weight is not None:  # L_it <- w L_it (the KL term below is not reweighted, as in TRL)
+    if rollout_weight is not None and cfg.surrogate != "vespo":  # L_it <- w L_it (not the KL below, as in TRL;
+        # VESPO folded w into its kernel)
         per_token = per_token * rollout_weight
     if cfg.beta > 0 and cfg.kl_in == "loss":
         if ref_logp is None:

@@ -77,9 +77,9 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: not 0 < a.epsilon < 1 and not (a.surrogate in ("cispo", "gmpo") and 0 < a.epsilon <= 1),
      "--epsilon must be in (0, 1) (got {epsilon}; CISPO and GMPO take 1, no lower bound); GRPO uses 0.2, GSPO 3e-4"),
     (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
-    (lambda a: a.surrogate == "vespo" and a.rollout_correction != "off",
-     "--rollout-correction multiplies each unit's loss by pi_old / mu; VESPO folds that ratio into its kernel instead "
-     "(TRL, the paper's code), which is not built here: drop --rollout-correction, or use another --algo"),
+    (lambda a: a.surrogate == "vespo" and a.rollout_correction.startswith("sequence"),
+     "VESPO folds the rollout correction's token weights pi_old / mu into its own sequence ratio (as TRL and the "
+     "paper's code): use --rollout-correction token_truncate or token_mask with it"),
     (lambda a: not a.beta >= 0, "--beta must be >= 0 (got {beta}); 0 turns the KL term off"),
     (lambda a: a.num_epochs < 1, "--num-epochs must be at least 1 (got {num_epochs})"),
     (lambda a: a.micro_batch_size < 0, "--micro-batch-size must be >= 0 (got {micro_batch_size}); 0 sizes "

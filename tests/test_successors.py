@@ -333,3 +333,31 @@ def test_rollout_correction_equals_trl(mode, algo):
                  _extra_inputs={"importance_sampling_ratio": w, "ref_per_token_logps": ref})
     assert loss.item() == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
     assert torch.allclose(x.grad, theirs[1], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_vespo_folds_the_rollout_correction_into_its_kernel_as_trl(mode):
+    """VESPO with the token-level rollout correction: w = pi_old / mu joins W in log space (the paper's code, TRL's
+    get_gamma_weights), it does not multiply the loss; loss and gradient equal TRL's. The mask's w = 0 drops a whole
+    sequence (its phi is ~1e-16 or less)."""
+    from trl import GRPOTrainer
+
+    logp, old, adv, mask = batch(0.3, seed=2)
+    sampled = old + 0.8 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3)) * mask
+    w = losses.rollout_correction_weights(old, sampled, mask, mode, 0.5, 3.0)
+    cfg = PRESETS["vespo"]
+    x = logp.clone().requires_grad_(True)
+    loss = losses.policy_loss(x, old, adv, mask, StepNorm.of(mask, T), cfg, rollout_weight=w)
+    loss.backward()
+    fake = trl_stand_in("vespo", args={"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+                                       "vespo_lambda_neg": 2.0}, epsilon_low=0.2, epsilon_high=0.2, use_vllm=True,
+                        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode)
+    fake.get_gamma_weights = GRPOTrainer.get_gamma_weights
+    theirs = trl_loss(fake, logp, old, adv, mask, {"importance_sampling_ratio": w})
+    assert loss.item() == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
+    assert torch.allclose(x.grad, theirs[1], rtol=1e-10, atol=1e-14)
+    plain = ours(cfg, logp, old, adv, mask)
+    assert loss.item() != pytest.approx(plain[0], rel=1e-6)  # the correction acted
+    if mode == "token_mask":  # a sequence with a masked token has W <= 1e-8, phi ~ e^lambda 1e-8^k: no gradient left
+        dropped = ((w == 0) & (mask > 0)).any(-1)
+        assert dropped.any() and (x.grad[dropped].abs() < 1e-20).all() and (x.grad[~dropped].abs() > 1e-6).any()

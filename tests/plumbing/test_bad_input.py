@@ -127,7 +127,7 @@ FLAGS = [
     (["--algo", "vespo", "--importance-sampling-level", "sequence"], "VESPO computes its own weight"),
     (["--algo", "vespo", "--vespo-lambda-neg", "0"], "VESPO's kernel needs lambda > 0 and k >= 0"),
     (["--algo", "vespo", "--vespo-k-pos", "-1"], "VESPO's kernel needs lambda > 0 and k >= 0"),
-    (["--algo", "vespo", "--rollout-correction", "token_truncate"], "VESPO folds that ratio into its kernel"),
+    (["--algo", "vespo", "--rollout-correction", "sequence_mask"], "VESPO folds the rollout correction's token"),
     (["--algo", "luspo", "--vespo-k-pos", "3"], "--vespo-k-pos 3.0 shapes VESPO's kernel; --surrogate clip has none"),
     (["--advantage-estimator", "rloo", "--scale-rewards", "none"],
      "--scale-rewards none is grpo's divisor; --advantage-estimator rloo has its own normalisation"),
