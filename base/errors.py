@@ -107,4 +107,6 @@ def report(e: BaseException, rank: int) -> None:
     """One `error: ...` line. Under torchrun every rank meets a bad flag or dataset alike, so rank 0 alone prints
     it; a per-rank error names its rank."""
     if rank == 0 or isinstance(e, PER_RANK):
+        if isinstance(e, Interrupted):  # a signal can land inside a print, between its text and its newline (and a
+            print(flush=True)  # terminal echoes ^C): the error line starts a line of its own
         print(f"error: {'' if rank == 0 else f'rank {rank}: '}{e}", file=sys.stderr)

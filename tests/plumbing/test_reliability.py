@@ -427,6 +427,21 @@ def test_ctrl_c_before_step_1_is_one_line_and_leaves_nothing(tmp_path, tiny_poli
     assert not (tmp_path / "gspo-s0").exists()
 
 
+def test_an_interrupt_inside_a_print_still_gets_an_error_line_of_its_own(monkeypatch):
+    """A signal can land inside print(), after its text and before its newline (the start-up test above once caught
+    '...(full fine-tune)error: interrupted ...' on one line): the error line starts a line of its own."""
+    import io
+
+    from base import errors
+
+    screen = io.StringIO()  # stdout and stderr on one terminal
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    screen.write("model: embedded; trains every weight (full fine-tune)")  # the print the signal cut short
+    errors.report(errors.Interrupted("interrupted by SIGINT during start-up"), 0)
+    assert screen.getvalue().splitlines()[-1] == "error: interrupted by SIGINT during start-up"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Numerical guards
 # ---------------------------------------------------------------------------------------------------------------
