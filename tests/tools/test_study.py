@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
-    assert len(runs) == 5 * (9 + 7 + 2 + 2 + 2 + 2 + 2 + 2) == 140
+    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1) == 150
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -127,7 +127,7 @@ def test_pairing_uses_the_seeds_both_arms_have():
 
 
 def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0.6, entropy=1.0, rel=lambda s: 1.0,
-             clip=0.002, abs_log=0.01, differs=0.02, len_min=22.0):
+             clip=0.002, abs_log=0.01, differs=0.02, len_min=22.0, mean_len=lambda s: 90.0):
     """A run whose metrics follow chosen laws: std of the log-ratio sum = 0.01 * len^length_power, and of the prefix
     sums 0.01 * k^length_power (0.6 by default: above claim 1's predicted 0.5, so that an interval around the true
     value does not straddle the prediction by chance)."""
@@ -146,6 +146,7 @@ def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0
             row.update({"clip/frac": 0.3 if algo == "gspo" else clip, "losses/entropy": entropy * (1 + 0.01 * seed),
                         "charts/len_incorrect_rel": rel(step) + 0.01 * rng.normal(), "charts/len_incorrect": 80.0,
                         "charts/completion_len_max": 280.0, "charts/completion_len_min": len_min,
+                        "charts/completion_len": mean_len(step) * (1 + 0.01 * rng.normal()),
                         "ratio/abs_log_token": abs_log, "clip/shadow_grpo": clip + differs, "clip/shadow_dapo": clip,
                         "perf/elapsed_min": 0.1 * step, "clip/token_frac": clip,
                         "clip/seq_token_frac": 0.3 if algo == "gspo" else clip, "prefix/n_long": 10,
@@ -171,6 +172,8 @@ def synthetic_study(**over):
                     kw["rel"] = lambda s: 1.0 + s / 100  # wrong answers lengthen relative to right ones
                 if arm == "dapo-eh0.2" or (cell, arm) == ("smollm2", "grpo-b0"):  # clip-higher off: less entropy
                     kw["entropy"] = 0.7
+                if (cell, arm) == ("base", "luspo"):  # LUSPO's answers grow, GSPO's do not
+                    kw["mean_len"] = lambda s: 90.0 + s
                 kw.update(over.get(arm, {}))
                 runs.append(fake_run(cell, arm, seed, rng, **kw))
     return runs
@@ -218,6 +221,11 @@ def test_the_data_decides_each_verdict():
     assert verdicts["1-smollm2long"] == "not exercised" and verdicts["1-base"] == "reproduced"  # its check only
     not_stale = synthetic_study(**{a: {"abs_log": 0.01} for a in ("grpo-b0", "gspo", "grpo", "gspo-b0.04")})
     assert {r["key"]: r["verdict"] for r in study.judge(not_stale)}["3-b0"] == "not exercised"
+    as_gspo = synthetic_study(luspo={"mean_len": lambda s: 90.0})  # LUSPO's answers as long as GSPO's
+    assert {r["key"]: r["verdict"] for r in study.judge(as_gspo)}["9-luspo-length"] == \
+        "predicted effect excluded, no effect not excluded"
+    uniform = synthetic_study(luspo={"mean_len": lambda s: 90.0 + s, "len_min": 250.0})  # a batch's lengths span 30
+    assert {r["key"]: r["verdict"] for r in study.judge(uniform)}["9-luspo-length"] == "not exercised"
 
 
 def test_pack_and_load_keep_every_step(tmp_path):
@@ -311,14 +319,15 @@ def test_the_smollm2_cell_points_at_the_gguf_or_is_left_out(monkeypatch, capsys)
 
 
 def test_each_contrast_lists_every_setting_it_changes():
-    """The audit's count: claims 2 and 3 change three settings, 8 four, 6a/6b five (aggregation among them); 4, 5
-    and 7 one."""
+    """The audit's count: claims 2 and 3 change three settings, 8 four, 6a/6b five (aggregation among them); 4, 5,
+    7 and 9 one."""
     from tools.study import design
     from tools.study.claims import CONTRAST_ARMS
 
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
-                      "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4}
+                      "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
+                      "9-luspo-length": 1}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
 
 

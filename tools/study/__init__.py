@@ -6,11 +6,11 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Eight cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Nine cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
-    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a
+    base      lr 5e-5, 4 minibatches per rollout (the papers' regime)        claims 1, 2, 4, 6a, 9
     stale16   lr 5e-5, 16 minibatches per rollout (staler ratios, and 4x more  claims 1, 3, 5, 6b, 7, 8
               optimizer steps per rollout, each on fewer rows)
     base120   base for 120 RL steps, held-out accuracy every 60              claim 4 at the longer horizon
@@ -22,12 +22,14 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
               (one more forward pass after each update)                      tokens (issue 49)
     smollm2prefix1  smollm2prefix's one first step, at seeds 5-9             claim 1 inside each sequence where
               (each run stops after step 1, its answers still long)          its check can hold
+    base2     base's gspo arm made again at the code claim 9's LUSPO ran   claim 9's GSPO
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
 preset's β 0.04 would otherwise ride along with the ratio level):
 
-    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo
+    base:     grpo-b0, gspo, grpo-b0-sumnorm (GRPO with Dr.GRPO's aggregation only), dr_grpo, cispo, sapo, gmpo,
+              luspo (GSPO with LUSPO's aggregation only)
     stale16:  grpo-b0, gspo, dapo, dapo-eh0.2 (clip-higher off), grpo (β 0.04), gspo-b0.04, cispo, sapo, gmpo
     base120:  grpo-b0, grpo-b0-sumnorm
     smollm2:  grpo-b0, grpo-b0-eh0.28 (clip-higher on, nothing else)
@@ -35,6 +37,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     stale16rep: grpo-b0, gspo
     smollm2prefix: grpo-b0, gspo
     smollm2prefix1: grpo-b0, gspo
+    base2:    gspo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

@@ -121,7 +121,8 @@ CLAIMS_1 = [
 ]
 
 
-SUCCESSORS = ("cispo", "sapo", "gmpo")  # arms added after claim 1 was registered on "all arms": not in its estimand
+SUCCESSORS = ("cispo", "sapo", "gmpo", "luspo")  # arms added after claim 1 was registered on "all arms": not in its
+# estimand
 
 
 def analyse_1(runs: list[dict], add) -> None:
@@ -637,6 +638,49 @@ def figure_6_8(runs: list[dict], out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 9. LUSPO's answers do not shorten as GSPO's do (LUSPO)
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_9 = [
+    # Registered in docs/study/protocol.md (b5a4136) before any of its runs
+    Claim("9-luspo-length", "9. LUSPO's answers do not shorten as GSPO's do (LUSPO)", "LUSPO, arXiv 2602.05261",
+          "mean completion length over steps 31-40, LUSPO's over GSPO's, minus 1",
+          "base's luspo / base2's gspo - 1 (the aggregation only), paired by seed", 0.10,
+          "lengths vary within a batch: the mean over steps of the longest minus the shortest completion >= 50 "
+          "tokens in every run of both arms", unit="ratio", family="luspo"),
+]
+LENGTH_RANGE = 50.0  # tokens: claim 9's check
+
+
+CLAIM_9_ARMS = (("base", "luspo"), ("base2", "gspo"))  # LUSPO, and GSPO made again at its code (the amendment)
+
+
+def analyse_9(runs: list[dict], add) -> None:
+    late = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "charts/completion_len", 31, 40)) for cell, a in CLAIM_9_ARMS}
+    early = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "charts/completion_len", 1, 10)) for cell, a in CLAIM_9_ARMS}
+    ratio = {s: late["luspo"][s] / late["gspo"][s] - 1 for s in sorted(set(late["luspo"]) & set(late["gspo"]))}
+    spans = [run_mean(r, "charts/completion_len_max") - run_mean(r, "charts/completion_len_min")
+             for cell, a in CLAIM_9_ARMS for r in arm_runs(runs, cell, a)]
+    span = min(spans) if spans else math.nan
+    add("9-luspo-length", estimate(ratio.values()), span,
+        f"longest - shortest completion per batch, mean over steps: at least {span:.0f} tokens in every run",
+        bool(spans) and span >= LENGTH_RANGE,
+        f"mean length over steps 31-40: LUSPO {level(late['luspo'].values())}, GSPO {level(late['gspo'].values())} "
+        f"tokens; over steps 1-10: LUSPO {level(early['luspo'].values())}, GSPO {level(early['gspo'].values())} "
+        "(GSPO: base2's runs, made at LUSPO's code; base's own gspo runs do not repeat there bit for bit)")
+
+
+def figure_9(runs: list[dict], out: Path) -> dict:
+    panels = (("charts/completion_len", False, "mean completion length", "tokens"),
+              ("eval/accuracy", False, "held-out accuracy", "accuracy"))
+    paired_runs = [r for r in runs if (r["cell"], r["arm"]) in CLAIM_9_ARMS]
+    as_base = [{**r, "cell": "base"} for r in paired_runs]  # one panel set: base's LUSPO beside base2's GSPO
+    return two_panels(as_base, out, "claim9_luspo_length", "base", ("gspo", "luspo"), panels, "base regime at β = 0: "
+                      "GSPO (base2's runs, made at LUSPO's code) and LUSPO (GSPO's loss with each sequence counted "
+                      "|y_i| times), the claim's contrast; mean over seeds with its 95% t interval at each step")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Every claim, its analysis and its figure, in the report's order
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -645,7 +689,8 @@ def figure_1_both(runs: list[dict], out: Path) -> dict:
 
 
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1_both), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
-            (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8)]
+            (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8),
+            (CLAIMS_9, analyse_9, figure_9)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
@@ -657,7 +702,8 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "4-agg": ("base", "grpo-b0", "grpo-b0-sumnorm"), "4-agg-120": ("base120", "grpo-b0", "grpo-b0-sumnorm"),
                  "5-entropy": ("stale16", "dapo", "dapo-eh0.2"), "5-smollm2": ("smollm2", "grpo-b0-eh0.28", "grpo-b0"),
                  "6-cispo-learn": ("base", "cispo", "gspo"), "6-cispo-stale": ("stale16", "gspo", "cispo"),
-                 "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo")}
+                 "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
+                 "9-luspo-length": ("base", "luspo", "gspo")}
 
 
 SAME_RUNS = {"smollm2prefix": "smollm2long"}  # a cell that made another's runs again (the report counts how exactly)
@@ -666,6 +712,8 @@ SAME_RUNS = {"smollm2prefix": "smollm2long"}  # a cell that made another's runs 
 def runs_read(key: str) -> set[tuple[str, str]]:
     """The (cell, arm) runs a row's estimate reads: claim 1 every registered arm of its cell, the others their two
     (a cell made again counts as the runs it repeats)."""
+    if key == "9-luspo-length":  # its two arms are in two cells
+        return set(CLAIM_9_ARMS)
     if key.startswith("1-"):
         cell = {"1-within": "smollm2prefix", "1-within-step1": "smollm2prefix1"}.get(key, key[2:])
         arms = [a for a in CELLS[cell][1] if a not in SUCCESSORS]
@@ -734,7 +782,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "smollm2long": "8836d10: claims 1 and 2a on SmolLM2 writing its working",
             "smollm2prefix": "issue 49: claim 1 inside each sequence, 2a in tokens",
             "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9",
-            "smollm2prefix1": "3d7bb7e, before any of its runs: claim 1 inside each sequence at step 1, seeds 5-9"}
+            "smollm2prefix1": "3d7bb7e, before any of its runs: claim 1 inside each sequence at step 1, seeds 5-9",
+            "luspo": "b5a4136, before any of its runs: claim 9, LUSPO's answer length"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

@@ -27,6 +27,9 @@ BASE_ARMS = {  # the base cell's arms; base120 runs two of them for longer
     "cispo": ("cispo", {}),
     "sapo": ("sapo", {}),
     "gmpo": ("gmpo", {}),
+    # LUSPO's answer length (registered in docs/study/protocol.md at b5a4136, before any of its runs): GSPO's
+    # objective with the aggregation seq-mean-token-sum, paired with the gspo arm
+    "luspo": ("luspo", {}),
 }
 # cell -> the overrides every run of the cell gets (the regime), and its arms: arm -> (algo, the arm's overrides).
 # Every arm names its β when it is not the preset's; `changed` lists what a contrast changes (the report shows it).
@@ -43,6 +46,10 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "gmpo": ("gmpo", {}),
     }),
     "base": ({}, BASE_ARMS),
+    # Claim 9's GSPO made again (an amendment before any LUSPO outcome was read, docs/study/protocol.md): base's gspo
+    # runs, made at an older commit, no longer repeat bit for bit (the registered precondition failed), so LUSPO is
+    # paired with GSPO runs of the same code. A cell of its own: no earlier claim reads these runs.
+    "base2": ({}, {"gspo": ("gspo", {})}),
     # Claim 4 at a longer horizon: the drift of wrong answers' length is a trend over training, and 40 steps left it
     # inconclusive (80% power only from 0.11). The same two arms, three times as long.
     "base120": ({"total_steps": str(LONG_STEPS), "eval_every": str(LONG_STEPS // 2)},
@@ -109,6 +116,8 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("smollm2prefix", ("grpo-b0", "gspo"), SEEDS)],  # claim 1 within sequences, 2a in tokens (issue 49)
     [("stale16rep", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 3 at β = 0 replicated (~8 min a run)
     [("smollm2prefix1", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 1 within sequences at step 1 (~7 min a run)
+    [("base", ("luspo",), SEEDS)],  # claim 9, LUSPO's answer length (~5 min a run)
+    [("base2", ("gspo",), SEEDS)],  # claim 9's GSPO, made again at the code LUSPO ran with (~5 min a run)
 ]
 
 

@@ -24,12 +24,13 @@ def pyplot():
 
 
 ARM_STYLES = {"grpo-b0": "-", "gspo": "-", "dapo": "-", "dr_grpo": "-",  # colour: the algorithm (sweep.ALGO_COLORS)
-              "cispo": "-", "sapo": "-", "gmpo": "-",
+              "cispo": "-", "sapo": "-", "gmpo": "-", "luspo": "-",
               "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":",
               "grpo-b0-eh0.28": "-."}  # line style: the arm
 ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high=0.28", "dr_grpo": "Dr.GRPO",
               "grpo-b0-sumnorm": "GRPO β=0, Dr.GRPO aggregation", "dapo-eh0.2": "DAPO ε_high=0.2",
-              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "grpo-b0-eh0.28": "GRPO β=0, ε_high=0.28", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO"}
+              "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "grpo-b0-eh0.28": "GRPO β=0, ε_high=0.28", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO",
+              "luspo": "LUSPO"}
 
 
 def style(runs: list[dict]) -> dict:

@@ -97,8 +97,9 @@ def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
         return None
     keys = [*losses.OBJECTIVE_FIELDS, "dynamic_sampling", "overlong_weight"]
     first = [cs[0] for cs in configs]
-    # a field newer than both runs (absent from both configs: LUSPO's and VESPO's) set nothing that could differ
-    return {k: (str(first[0].get(k)), str(first[1].get(k))) for k in keys if first[0].get(k) != first[1].get(k)}
+    # a field newer than a run (absent from its config: VESPO's) set nothing that run could differ in
+    return {k: (str(first[0][k]), str(first[1][k])) for k in keys
+            if k in first[0] and k in first[1] and first[0][k] != first[1][k]}
 
 
 def grid_runs(runs: list[dict]) -> list[dict]:
