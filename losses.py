@@ -361,6 +361,12 @@ def vespo_weight(log_ratio: Tensor, adv: Tensor, mask: Tensor, k_pos: float, lam
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
+def vespo_seq_weight(log_ratio: Tensor, adv_tok: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """phi(W_i) of each sequence at its mean advantage, (B,): what VESPO's diagnostics read (not the rollout weight)."""
+    return vespo_weight(log_ratio, masked_seq_mean(adv_tok, mask).unsqueeze(-1), mask, cfg.vespo_k_pos,
+                        cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg).squeeze(-1)
+
+
 def vespo_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig,
                     rollout_weight: Tensor | None = None) -> Tensor:
     """VESPO: L_it = -sg(phi(W_i)) A_i log pi_theta(y_it), a REINFORCE gradient on every token, scaled by the kernel
@@ -779,9 +785,7 @@ def clip_fraction_of(cfg: LossConfig, log_ratio: Tensor, adv_tok: Tensor, mask: 
         return float(clipped.sum() / valid.sum().clamp(min=1))
     if cfg.surrogate == "vespo":
         seqs = mask.sum(-1) > 0
-        phi = vespo_weight(log_ratio, masked_seq_mean(adv_tok, mask).unsqueeze(-1), mask, cfg.vespo_k_pos,
-                           cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg).squeeze(-1)  # (B,)
-        return float(((phi < 0.5) & seqs).sum() / seqs.sum().clamp(min=1))
+        return float(((vespo_seq_weight(log_ratio, adv_tok, mask, cfg) < 0.5) & seqs).sum() / seqs.sum().clamp(min=1))
     if cfg.surrogate == "sapo":
         if cfg.importance_sampling_level == "token":
             low = (sapo_gate_slope(torch.exp(log_ratio), adv_tok, cfg) < 0.5) & valid
@@ -850,9 +854,7 @@ def ratio_diagnostics(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
     if cfg.surrogate in ("clip_cov", "kl_cov"):  # the tokens the covariance rule cut (Clip-Cov) or penalised (KL-Cov)
         diag["clip/cov_frac"] = cov_fraction(logp, old_logp, adv_tok, mask, cfg)
     if cfg.surrogate == "vespo":  # the kernel's weight on each sequence (1 on-policy)
-        phi = vespo_weight(log_ratio, a_seq.unsqueeze(-1), mask, cfg.vespo_k_pos, cfg.vespo_lambda_pos,
-                           cfg.vespo_k_neg, cfg.vespo_lambda_neg).squeeze(-1)  # (B,)
-        diag["clip/vespo_phi_mean"] = masked_mean(phi, seq_mask)
+        diag["clip/vespo_phi_mean"] = masked_mean(vespo_seq_weight(log_ratio, adv_tok, mask, cfg), seq_mask)
     if cfg.clip_ratio_c is not None:  # what dual-clip capped: the units with A < 0 whose loss it bounded
         w = importance_weights(logp, old_logp, mask, cfg.importance_sampling_level)
         diag["clip/dual_frac"] = dual_clip_fraction(w, adv_tok, cfg, mask)

@@ -551,8 +551,8 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
               "area under the held-out learning curve per evaluation; it tells apart objectives that end alike but "
               "learn at different speeds. Steps to the threshold: the first evaluated step at or above "
               "it, n/a where none was; it cannot be finer than --eval-every. Clip fraction: of sequences for "
-              "sequence-level ratios and VESPO's kernel, of tokens otherwise. Length change: mean completion length over the last 10 "
-              "steps minus the first 10, n/a under 20 steps.)", ""] + detail_tables(runs)
+              "sequence-level ratios and VESPO's kernel, of tokens otherwise. Length change: mean completion length "
+              "over the last 10 steps minus the first 10, n/a under 20 steps.)", ""] + detail_tables(runs)
     lines += ["", "![accuracy](accuracy.png)", "![length buckets](length_buckets.png)", "![clip](clip.png)",
               "![lengths](lengths.png)", ""]
     (out / "summary.md").write_text("\n".join(lines))

@@ -656,8 +656,11 @@ CLAIM_9_ARMS = (("base", "luspo"), ("base2", "gspo"))  # LUSPO, and GSPO made ag
 
 
 def analyse_9(runs: list[dict], add) -> None:
-    late = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "charts/completion_len", 31, 40)) for cell, a in CLAIM_9_ARMS}
-    early = {a: by_seed(runs, cell, a, lambda r: run_mean(r, "charts/completion_len", 1, 10)) for cell, a in CLAIM_9_ARMS}
+    def mean_len(first, last):  # each arm's mean completion length over steps first..last, per seed
+        return {a: by_seed(runs, cell, a, lambda r: run_mean(r, "charts/completion_len", first, last))
+                for cell, a in CLAIM_9_ARMS}
+
+    late, early = mean_len(31, 40), mean_len(1, 10)
     ratio = {s: late["luspo"][s] / late["gspo"][s] - 1 for s in sorted(set(late["luspo"]) & set(late["gspo"]))}
     spans = [run_mean(r, "charts/completion_len_max") - run_mean(r, "charts/completion_len_min")
              for cell, a in CLAIM_9_ARMS for r in arm_runs(runs, cell, a)]
