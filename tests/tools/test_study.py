@@ -127,16 +127,18 @@ def test_pairing_uses_the_seeds_both_arms_have():
 
 
 def fake_run(cell, arm, seed, rng, acc=lambda s: 0.4 + 0.005 * s, length_power=0.6, entropy=1.0, rel=lambda s: 1.0,
-             clip=0.002, abs_log=0.01, differs=0.02, len_min=22.0, mean_len=lambda s: 90.0):
+             clip=0.002, abs_log=0.01, differs=0.02, len_min=22.0, mean_len=lambda s: 90.0, start=0.4):
     """A run whose metrics follow chosen laws: std of the log-ratio sum = 0.01 * len^length_power, and of the prefix
     sums 0.01 * k^length_power (0.6 by default: above claim 1's predicted 0.5, so that an interval around the true
-    value does not straddle the prediction by chance)."""
+    value does not straddle the prediction by chance). Its starting policy scores `start` before training."""
     algo = study.CELLS[cell][1][arm][0]
     rows = []
     for step in range(study.STEPS + 1):
         row = {"step": step}
         if step % study.EVAL_EVERY == 0:
-            row["eval/accuracy"] = acc(step)
+            row["eval/accuracy"] = acc(step) if step else start
+        if step == 0:
+            row["eval/reward"] = start + 0.1
         if step > 0:
             for q, length in enumerate((25, 50, 100, 200), 1):
                 noise = math.exp(rng.normal(0, 0.05))
@@ -226,6 +228,21 @@ def test_the_data_decides_each_verdict():
         "predicted effect excluded, no effect not excluded"
     uniform = synthetic_study(luspo={"mean_len": lambda s: 90.0 + s, "len_min": 250.0})  # a batch's lengths span 30
     assert {r["key"]: r["verdict"] for r in study.judge(uniform)}["9-luspo-length"] == "not exercised"
+
+
+def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
+    """Each arm of a seed starts from one policy; the report names an arm that did not, and each verdict reading it."""
+    from tools.study.report import grid_runs, starting_policies_text
+
+    runs = synthetic_study()
+    assert starting_policies_text(grid_runs(runs), study.judge(runs)).endswith(
+        "Every arm of a cell started each seed from the same policy. Every verdict's runs share one starting policy "
+        "per seed.")
+    runs = [r if (r["cell"], r["arm"], r["seed"]) != ("stale16", "sapo", 2) else
+            {**r, "rows": [{**r["rows"][0], "eval/reward": 0.9}, *r["rows"][1:]]} for r in synthetic_study()]
+    text = starting_policies_text(grid_runs(runs), study.judge(runs))
+    assert "the rest of their cell: stale16 seed 2: sapo. " in text, text
+    assert text.endswith("per seed: 7. SAPO's soft gate is more stable than GRPO's hard clip (SAPO) (seeds 2)."), text
 
 
 def test_pack_and_load_keep_every_step(tmp_path):

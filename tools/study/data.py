@@ -66,6 +66,13 @@ def arm_runs(runs: list[dict], cell: str, arm: str) -> list[dict]:
     return [r for r in runs if r["cell"] == cell and r["arm"] == arm]
 
 
+def warm_start(run: dict) -> tuple:
+    """The starting policy's fingerprint: its greedy held-out accuracy and mean reward before training. Seeds >= 1
+    of the embedded model train their warm start when a run begins, and another machine trains another policy."""
+    before = run["rows"][0]
+    return before.get("eval/accuracy"), before.get("eval/reward")
+
+
 def by_seed(runs: list[dict], cell: str, arm: str, f) -> dict[int, float]:
     """seed -> f(run) for one arm."""
     return {r["seed"]: f(r) for r in arm_runs(runs, cell, arm)}

@@ -7,8 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from tools.study.claims import CLAIMS, CONTRAST_ARMS, FAMILIES, judge, sharing, write_figures
-from tools.study.data import MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean
+from tools.study.claims import CLAIMS, CONTRAST_ARMS, FAMILIES, judge, runs_read, sharing, write_figures
+from tools.study.data import (MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean,
+                              warm_start)
 from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS, changed
 from tools.study.figures import ARM_LABELS
 from tools.study.stats import VERDICT_RULE, fmt_est, level
@@ -102,6 +103,36 @@ def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
             if k in first[0] and k in first[1] and first[0][k] != first[1][k]}
 
 
+def starting_policies_text(runs: list[dict], rows: list[dict]) -> str:
+    """Whether each arm of a seed started from its cell's one policy, and each verdict's runs from one per seed (a
+    paired contrast needs it), read from data.warm_start's fingerprint."""
+    apart = []
+    for cell in CELLS:
+        for seed in sorted({r["seed"] for r in runs if r["cell"] == cell}):
+            starts: dict[tuple, list[str]] = {}
+            for r in runs:
+                if r["cell"] == cell and r["seed"] == seed:
+                    starts.setdefault(warm_start(r), []).append(r["arm"])
+            most = max(starts.values(), key=len)
+            apart += [f"{cell} seed {seed}: {', '.join(arms)}" for arms in starts.values() if arms is not most]
+    unpaired = []
+    for row in rows:
+        reads, starts = runs_read(row["key"]), {}
+        for r in runs:
+            if (r["cell"], r["arm"]) in reads:
+                starts.setdefault(r["seed"], set()).add(warm_start(r))
+        if seeds := [str(s) for s, fingerprints in sorted(starts.items()) if len(fingerprints) > 1]:
+            unpaired.append(f"{row['claim']} (seeds {', '.join(seeds)})")
+    return ("**Starting policies.** Every arm of a seed should start from one policy. The check reads a fingerprint "
+            "of it, each run's greedy held-out accuracy and mean reward before training (data.warm_start). Seeds >= 1 "
+            "of the embedded model train their warm start as a run begins, so a run made on another machine can "
+            "start elsewhere. "
+            + (f"Arms that started from another policy than the rest of their cell: {'; '.join(apart)}. "
+               if apart else "Every arm of a cell started each seed from the same policy. ")
+            + (f"Verdicts whose runs do not share one starting policy per seed: {'; '.join(unpaired)}."
+               if unpaired else "Every verdict's runs share one starting policy per seed."))
+
+
 def grid_runs(runs: list[dict]) -> list[dict]:
     """The runs of the grid (probes aside)."""
     return [r for r in runs if r["cell"] in CELLS]
@@ -176,7 +207,7 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
         source, diff = ("flags", changed(cell, a, b)) if diff is None else ("config", diff)
         lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}, *{source}*): {len(diff)} "
                      f"setting{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
-    lines += ["", "## Beside each verdict", ""]
+    lines += ["", starting_policies_text(grid_runs(runs), rows), "", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
     lines += ["", "## Each arm", "", "| cell | arm | seeds | final accuracy | drop from peak | collapsed | clip "
               "fraction | mean abs log ratio | run-minutes |", "|---|---|---|---|---|---|---|---|---|"]
