@@ -72,6 +72,13 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "gspo": ("gspo", {}),
     }),
+    # Claim 10, VESPO under stale ratios (registered before any of its runs): stale16's regime, VESPO beside GRPO at
+    # β = 0 made on the same machine (stale16's own GRPO runs started seeds 1-4 from warm starts this machine does not
+    # train), in a cell of its own so that no earlier claim reads them
+    "stale16v": ({"num_minibatches": "16"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "vespo": ("vespo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -118,6 +125,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("smollm2prefix1", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 1 within sequences at step 1 (~7 min a run)
     [("base", ("luspo",), SEEDS)],  # claim 9, LUSPO's answer length (~5 min a run)
     [("base2", ("gspo",), SEEDS)],  # claim 9's GSPO, made again at the code LUSPO ran with (~5 min a run)
+    [("stale16v", ("grpo-b0", "vespo"), SEEDS)],  # claim 10, VESPO under stale ratios (~8 min a run)
 ]
 
 
