@@ -6,7 +6,7 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Nine cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Ten cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
@@ -23,6 +23,7 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
     smollm2prefix1  smollm2prefix's one first step, at seeds 5-9             claim 1 inside each sequence where
               (each run stops after step 1, its answers still long)          its check can hold
     base2     base's gspo arm made again at the code claim 9's LUSPO ran   claim 9's GSPO
+    stale16v  stale16's regime: GRPO β = 0 and VESPO, made on one machine    claim 10
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
@@ -38,6 +39,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     smollm2prefix: grpo-b0, gspo
     smollm2prefix1: grpo-b0, gspo
     base2:    gspo
+    stale16v: grpo-b0, vespo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

@@ -24,13 +24,13 @@ def pyplot():
 
 
 ARM_STYLES = {"grpo-b0": "-", "gspo": "-", "dapo": "-", "dr_grpo": "-",  # colour: the algorithm (sweep.ALGO_COLORS)
-              "cispo": "-", "sapo": "-", "gmpo": "-", "luspo": "-",
+              "cispo": "-", "sapo": "-", "gmpo": "-", "luspo": "-", "vespo": "-",
               "grpo-b0-sumnorm": "--", "dapo-eh0.2": "--", "grpo": ":", "gspo-b0.04": ":",
               "grpo-b0-eh0.28": "-."}  # line style: the arm
 ARM_LABELS = {"grpo-b0": "GRPO β=0", "gspo": "GSPO β=0", "dapo": "DAPO ε_high=0.28", "dr_grpo": "Dr.GRPO",
               "grpo-b0-sumnorm": "GRPO β=0, Dr.GRPO aggregation", "dapo-eh0.2": "DAPO ε_high=0.2",
               "grpo": "GRPO β=0.04", "gspo-b0.04": "GSPO β=0.04", "grpo-b0-eh0.28": "GRPO β=0, ε_high=0.28", "cispo": "CISPO", "sapo": "SAPO", "gmpo": "GMPO",
-              "luspo": "LUSPO"}
+              "luspo": "LUSPO", "vespo": "VESPO"}
 
 
 def style(runs: list[dict]) -> dict:
@@ -141,19 +141,20 @@ def two_panels(runs: list[dict], out: Path, name: str, cell: str, names, panels,
     return {name: (save(fig, out / f"{name}.png") and points, caption)}
 
 
-def stability(runs: list[dict], out: Path, name: str, names, caption: str, contrasts=()) -> dict:
-    """stale16: accuracy bands per arm (left); right, what each verdict uses: per contrast (label, arm a, arm b,
+def stability(runs: list[dict], out: Path, name: str, names, caption: str, contrasts=(),
+              cell: str = "stale16") -> dict:
+    """A stale cell: accuracy bands per arm (left); right, what each verdict uses: per contrast (label, arm a, arm b,
     predicted), the paired difference of the drop from peak, drop(a) - drop(b), per seed (dots) with its mean and
     95% t interval (square), beside 0 (grey) and the predicted effect (purple dashes)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     points = 0
     for a in names:
-        if arm_runs(runs, "stale16", a):
-            points += band(axes[0], arm_runs(runs, "stale16", a), "eval/accuracy", marker="o")
+        if arm_runs(runs, cell, a):
+            points += band(axes[0], arm_runs(runs, cell, a), "eval/accuracy", marker="o")
     shown = []
     for label, a, b, predicted in contrasts:
-        drop = {arm: {r["seed"]: peak_drop(r) for r in arm_runs(runs, "stale16", arm)} for arm in (a, b)}
+        drop = {arm: {r["seed"]: peak_drop(r) for r in arm_runs(runs, cell, arm)} for arm in (a, b)}
         diffs = [drop[a][s] - drop[b][s] for s in sorted(set(drop[a]) & set(drop[b]))]
         if not diffs:
             continue
@@ -166,7 +167,7 @@ def stability(runs: list[dict], out: Path, name: str, names, caption: str, contr
         points += len(diffs)
     axes[1].axhline(0, color="gray", ls=":", lw=1)
     axes[1].set_xticks(range(len(shown)), shown, fontsize=8)
-    axes[0].set(title="stale16: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
+    axes[0].set(title=f"{cell}: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy", ylim=(0, 1))
     axes[1].set(title="the verdicts' paired differences (drop from peak), 95% t CI",
                 ylabel="accuracy points")
     legend_below(fig, axes[:1])
