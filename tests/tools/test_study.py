@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
-    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2) == 160
+    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2) == 170
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -46,12 +46,14 @@ def test_study_expands_to_the_documented_grid():
     listed = [(cell, arm, seed) for group in study.RUN_ORDER for cell, arms, seeds in group for arm in arms
               for seed in seeds]
     assert sorted(listed) == sorted((c, a, s) for c, (_, arms) in study.CELLS.items() for a in arms
-                                    for s in (study.REPLICATION_SEEDS if c in ("stale16rep", "smollm2prefix1")
-                                              else study.SEEDS))
+                                    for s in (study.REPLICATION_SEEDS
+                                              if c in ("stale16rep", "smollm2prefix1", "stale16vrep") else study.SEEDS))
     assert by_name["stale16rep-gspo-s7"] == {**by_name["stale16-gspo-s2"], "seed": "7", "run_name": "stale16rep-gspo-s7"}
     assert by_name["stale16v-grpo-b0-s3"] == {**by_name["stale16-grpo-b0-s3"], "run_name": "stale16v-grpo-b0-s3"}
     assert by_name["stale16v-vespo-s3"] == {"algo": "vespo", "seed": "3", "run_name": "stale16v-vespo-s3",
                                             "num_minibatches": "16"}  # claim 10: VESPO's preset in stale16's regime
+    assert by_name["stale16vrep-vespo-s7"] == {**by_name["stale16v-vespo-s2"], "seed": "7",
+                                               "run_name": "stale16vrep-vespo-s7"}  # claim 10 replicated
     first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
     assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
                                                             "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
@@ -238,6 +240,7 @@ def test_the_data_decides_each_verdict():
         "predicted effect excluded, no effect not excluded"
     idle = synthetic_study(vespo={"clip": 0.005})  # the kernel damps 0.5% of sequences: below the check's 1%
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale"] == "not exercised"
+    assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale-rep"] == "not exercised"
 
 
 def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
@@ -354,7 +357,7 @@ def test_each_contrast_lists_every_setting_it_changes():
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
-                      "9-luspo-length": 1, "10-vespo-stale": 2}
+                      "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
 
 

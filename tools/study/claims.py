@@ -693,22 +693,29 @@ CLAIMS_10 = [
           "stale16v: grpo-b0 - vespo (the surrogate and the aggregation), paired by seed", 0.10,
           "staleness acts: VESPO's mean |log ρ_t| in stale16v >= 2x base's GRPO β=0; and the kernel damps: a run-mean "
           ">= 1% of sequences below φ(W) = 0.5 in every seed", unit="accuracy", family="vespo"),
+    # Registered in docs/study/protocol.md (f5e42ce) before any of its runs: claim 10 at seeds 5-9
+    Claim("10-vespo-stale-rep", "10. the same at seeds 5-9 (a replication)", "VESPO, arXiv 2602.10693",
+          "peak-to-final drop of held-out accuracy",
+          "stale16vrep: grpo-b0 - vespo (as claim 10), paired by seed", 0.10,
+          "as claim 10's, in stale16vrep", unit="accuracy", family="vespo-rep"),
 ]
 DAMPED = 0.01  # claim 10's check: the run-mean fraction of sequences VESPO's kernel leaves under half their gradient
 
 
 def analyse_10(runs: list[dict], add) -> None:
-    text, drop = beside(runs, "vespo", "grpo-b0", "stale16v")
-    stale = mean_of(abs_log(runs, "stale16v", "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
-    damped = by_seed(runs, "stale16v", "vespo", lambda r: run_mean(r, "clip/frac"))
-    earlier = by_seed(runs, "stale16", "grpo-b0", peak_drop)
-    phi = by_seed(runs, "stale16v", "vespo", lambda r: run_mean(r, "clip/vespo_phi_mean"))
-    add("10-vespo-stale", paired(drop["grpo-b0"], drop["vespo"]), stale,
-        f"mean |log ρ_t| VESPO stale16v / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
-        f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))})",
-        stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values()),
-        text + f"; stale16's own GRPO β=0 runs (other warm starts at seeds 1-4) dropped {level(earlier.values())}; "
-        f"mean φ(W) over VESPO's updates {level(phi.values())}")
+    for key, cell in (("10-vespo-stale", "stale16v"), ("10-vespo-stale-rep", "stale16vrep")):
+        text, drop = beside(runs, "vespo", "grpo-b0", cell)
+        stale = mean_of(abs_log(runs, cell, "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
+        damped = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/frac"))
+        phi = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/vespo_phi_mean"))
+        if cell == "stale16v":
+            earlier = by_seed(runs, "stale16", "grpo-b0", peak_drop)
+            text += f"; stale16's own GRPO β=0 runs (other warm starts at seeds 1-4) dropped {level(earlier.values())}"
+        add(key, paired(drop["grpo-b0"], drop["vespo"]), stale,
+            f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
+            f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))})",
+            stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values()),
+            text + f"; mean φ(W) over VESPO's updates {level(phi.values())}")
 
 
 def figure_10(runs: list[dict], out: Path) -> dict:
@@ -717,6 +724,18 @@ def figure_10(runs: list[dict], out: Path) -> dict:
                      "interval; right: the verdict's paired difference of the drop from peak per seed, with its mean "
                      "and 95% t interval, 0 (grey) and the prediction (purple)",
                      contrasts=[("10: GRPO - VESPO", "grpo-b0", "vespo", 0.10)], cell="stale16v")
+
+
+def figure_10_rep(runs: list[dict], out: Path) -> dict:
+    return stability(runs, out, "claim10_vespo_stale_rep", ("grpo-b0", "vespo"), "stale16vrep, claim 10's two arms "
+                     "at seeds 5-9 (a replication): accuracy as mean over seeds with its 95% t interval; right: the "
+                     "verdict's paired difference of the drop from peak per seed, with its mean and 95% t interval, 0 "
+                     "(grey) and the prediction (purple)",
+                     contrasts=[("10 rep: GRPO - VESPO", "grpo-b0", "vespo", 0.10)], cell="stale16vrep")
+
+
+def figure_10_both(runs: list[dict], out: Path) -> dict:
+    return {**figure_10(runs, out), **figure_10_rep(runs, out)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -729,7 +748,7 @@ def figure_1_both(runs: list[dict], out: Path) -> dict:
 
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1_both), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
             (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8),
-            (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10)]
+            (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10_both)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
@@ -742,7 +761,8 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "5-entropy": ("stale16", "dapo", "dapo-eh0.2"), "5-smollm2": ("smollm2", "grpo-b0-eh0.28", "grpo-b0"),
                  "6-cispo-learn": ("base", "cispo", "gspo"), "6-cispo-stale": ("stale16", "gspo", "cispo"),
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
-                 "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo")}
+                 "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
+                 "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo")}
 
 
 SAME_RUNS = {"smollm2prefix": "smollm2long"}  # a cell that made another's runs again (the report counts how exactly)
@@ -823,7 +843,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "replication": "issue 49.4: claim 3 at β = 0 at seeds 5-9",
             "smollm2prefix1": "3d7bb7e, before any of its runs: claim 1 inside each sequence at step 1, seeds 5-9",
             "luspo": "b5a4136, before any of its runs: claim 9, LUSPO's answer length",
-            "vespo": "da078d6, before any of its runs: claim 10, VESPO under stale ratios"}
+            "vespo": "da078d6, before any of its runs: claim 10, VESPO under stale ratios",
+            "vespo-rep": "f5e42ce, before any of its runs: claim 10 at seeds 5-9"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

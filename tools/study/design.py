@@ -79,6 +79,11 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "vespo": ("vespo", {}),
     }),
+    # Claim 10 replicated (registered before any of its runs): stale16v's arms at seeds 5-9, new warm starts
+    "stale16vrep": ({"num_minibatches": "16"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "vespo": ("vespo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -98,7 +103,7 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
     }),
 }
 SEEDS = (0, 1, 2, 3, 4)
-REPLICATION_SEEDS = (5, 6, 7, 8, 9)  # stale16rep's and smollm2prefix1's
+REPLICATION_SEEDS = (5, 6, 7, 8, 9)  # stale16rep's, smollm2prefix1's and stale16vrep's
 ALL_SEEDS = SEEDS + REPLICATION_SEEDS
 
 # Run order: a run takes 7-15 min on this CPU, so the order decides what a session's budget buys. Groups run in
@@ -125,7 +130,8 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("smollm2prefix1", ("grpo-b0", "gspo"), REPLICATION_SEEDS)],  # claim 1 within sequences at step 1 (~7 min a run)
     [("base", ("luspo",), SEEDS)],  # claim 9, LUSPO's answer length (~5 min a run)
     [("base2", ("gspo",), SEEDS)],  # claim 9's GSPO, made again at the code LUSPO ran with (~5 min a run)
-    [("stale16v", ("grpo-b0", "vespo"), SEEDS)],  # claim 10, VESPO under stale ratios (~8 min a run)
+    [("stale16v", ("grpo-b0", "vespo"), SEEDS)],  # claim 10, VESPO under stale ratios (~5 min a run)
+    [("stale16vrep", ("grpo-b0", "vespo"), REPLICATION_SEEDS)],  # claim 10 replicated (~5 min a run)
 ]
 
 
