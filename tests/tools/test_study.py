@@ -359,6 +359,10 @@ def test_each_contrast_lists_every_setting_it_changes():
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
                       "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
+    from tools.study.claims import CLAIM_9_ARMS, contrast_runs, runs_read
+    assert contrast_runs("9-luspo-length") == CLAIM_9_ARMS  # LUSPO against base2's GSPO, the amendment's pair
+    assert runs_read("9-luspo-length") == set(CLAIM_9_ARMS)
+    assert contrast_runs("7-sapo") == (("stale16", "grpo-b0"), ("stale16", "sapo"))
 
 
 def test_a_later_family_changes_no_earlier_holm_reading_and_the_counts_are_the_codes():

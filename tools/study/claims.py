@@ -758,6 +758,13 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
                  "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
                  "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo")}
+SECOND_ARM_CELL = {"9-luspo-length": "base2"}  # a contrast whose second arm's runs are in another cell (claim 9's)
+
+
+def contrast_runs(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """A paired contrast's two arms as (cell, arm): CONTRAST_ARMS's, the second in SECOND_ARM_CELL's cell if named."""
+    cell, a, b = CONTRAST_ARMS[key]
+    return (cell, a), (SECOND_ARM_CELL.get(key, cell), b)
 
 
 SAME_RUNS = {"smollm2prefix": "smollm2long"}  # a cell that made another's runs again (the report counts how exactly)
@@ -766,14 +773,12 @@ SAME_RUNS = {"smollm2prefix": "smollm2long"}  # a cell that made another's runs 
 def runs_read(key: str) -> set[tuple[str, str]]:
     """The (cell, arm) runs a row's estimate reads: claim 1 every registered arm of its cell, the others their two
     (a cell made again counts as the runs it repeats)."""
-    if key == "9-luspo-length":  # its two arms are in two cells
-        return set(CLAIM_9_ARMS)
     if key.startswith("1-"):
         cell = {"1-within": "smollm2prefix", "1-within-step1": "smollm2prefix1"}.get(key, key[2:])
-        arms = [a for a in CELLS[cell][1] if a not in SUCCESSORS]
+        pairs = [(cell, a) for a in CELLS[cell][1] if a not in SUCCESSORS]
     else:
-        cell, *arms = CONTRAST_ARMS[key]
-    return {(SAME_RUNS.get(cell, cell), a) for a in arms}
+        pairs = contrast_runs(key)
+    return {(SAME_RUNS.get(cell, cell), a) for cell, a in pairs}
 
 
 def sharing(keys: list[str]) -> list[list[str]]:

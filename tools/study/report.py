@@ -7,7 +7,8 @@ import json
 import math
 from pathlib import Path
 
-from tools.study.claims import CLAIMS, CONTRAST_ARMS, FAMILIES, judge, runs_read, sharing, write_figures
+from tools.study.claims import (CLAIMS, CONTRAST_ARMS, FAMILIES, contrast_runs, judge, runs_read, sharing,
+                                write_figures)
 from tools.study.data import (MISLOGGED, PER_RUN, arm_runs, collapsed, final_accuracy, peak_drop, run_mean,
                               warm_start)
 from tools.study.design import CELLS, EVAL_EVERY, LONG_STEPS, PROMPTS, STEPS, changed
@@ -88,12 +89,13 @@ def families_text(rows: list[dict]) -> str:
             "afterwards.\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
-def packed_changes(runs: list[dict], cell: str, a: str, b: str) -> dict | None:
-    """What two arms' runs differ in, read from the resolved config train.py wrote (packed since this was added);
-    None when a run predates it (the committed study's do: the report then resolves the flags as train.py does)."""
+def packed_changes(runs: list[dict], first: tuple[str, str], second: tuple[str, str]) -> dict | None:
+    """What two arms' runs, each (cell, arm), differ in, read from the resolved config train.py wrote (packed since
+    this was added); None when a run predates it (the committed study's do: the report then resolves the flags as
+    train.py does)."""
     import losses
 
-    configs = [[r.get("config") for r in arm_runs(runs, cell, arm)] for arm in (a, b)]
+    configs = [[r.get("config") for r in arm_runs(runs, cell, arm)] for cell, arm in (first, second)]
     if not all(configs) or any(c is None for cs in configs for c in cs):
         return None
     keys = [*losses.OBJECTIVE_FIELDS, "dynamic_sampling", "overlong_weight"]
@@ -203,9 +205,11 @@ def write_report(runs: list[dict], out: Path, readme: Path | None = None) -> dic
               "(preset, regime, overrides; marked *flags*: runs packed before the config was). A contrast that "
               "changes more than one setting cannot attribute its effect to one:", ""]
     for key, (cell, a, b) in CONTRAST_ARMS.items():
-        diff = packed_changes(runs, cell, a, b)
+        first, second = contrast_runs(key)
+        diff = packed_changes(runs, first, second)
         source, diff = ("flags", changed(cell, a, b)) if diff is None else ("config", diff)
-        lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cell}, *{source}*): {len(diff)} "
+        cells = cell if second[0] == cell else f"{cell} vs {second[0]}"
+        lines.append(f"- **{ {c.key: c for c in CLAIMS}[key].title}**: {a} vs {b} ({cells}, *{source}*): {len(diff)} "
                      f"setting{'s' * (len(diff) != 1)}, " + "; ".join(f"{k} {x} vs {y}" for k, (x, y) in diff.items()))
     lines += ["", starting_policies_text(grid_runs(runs), rows), "", "## Beside each verdict", ""]
     lines += [f"- **{r['claim']}** ({r['quantity']}): {r['extra']}" for r in rows if r["extra"]]
