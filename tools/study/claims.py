@@ -758,7 +758,7 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
                  "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
                  "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo")}
-SECOND_ARM_CELL = {"9-luspo-length": "base2"}  # a contrast whose second arm's runs are in another cell (claim 9's)
+SECOND_ARM_CELL = {"9-luspo-length": CLAIM_9_ARMS[1][0]}  # a contrast whose second arm's runs are in another cell
 
 
 def contrast_runs(key: str) -> tuple[tuple[str, str], tuple[str, str]]:

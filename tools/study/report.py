@@ -89,13 +89,13 @@ def families_text(rows: list[dict]) -> str:
             "afterwards.\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
-def packed_changes(runs: list[dict], first: tuple[str, str], second: tuple[str, str]) -> dict | None:
+def packed_changes(runs: list[dict], arm_a: tuple[str, str], arm_b: tuple[str, str]) -> dict | None:
     """What two arms' runs, each (cell, arm), differ in, read from the resolved config train.py wrote (packed since
     this was added); None when a run predates it (the committed study's do: the report then resolves the flags as
     train.py does)."""
     import losses
 
-    configs = [[r.get("config") for r in arm_runs(runs, cell, arm)] for cell, arm in (first, second)]
+    configs = [[r.get("config") for r in arm_runs(runs, cell, arm)] for cell, arm in (arm_a, arm_b)]
     if not all(configs) or any(c is None for cs in configs for c in cs):
         return None
     keys = [*losses.OBJECTIVE_FIELDS, "dynamic_sampling", "overlong_weight"]
