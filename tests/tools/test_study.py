@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
-    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2) == 170
+    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2) == 180
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -54,6 +54,10 @@ def test_study_expands_to_the_documented_grid():
                                             "num_minibatches": "16"}  # claim 10: VESPO's preset in stale16's regime
     assert by_name["stale16vrep-vespo-s7"] == {**by_name["stale16v-vespo-s2"], "seed": "7",
                                                "run_name": "stale16vrep-vespo-s7"}  # claim 10 replicated
+    assert by_name["stale16vlr-grpo-b0-s3"] == {**by_name["stale16v-grpo-b0-s3"], "lr": "1e-5",
+                                               "run_name": "stale16vlr-grpo-b0-s3"}  # claim 11: the rate alone
+    assert by_name["stale16vlr-vespo-s3"] == {**by_name["stale16v-vespo-s3"], "lr": "1e-5",
+                                             "run_name": "stale16vlr-vespo-s3"}
     first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
     assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
                                                             "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
@@ -241,6 +245,11 @@ def test_the_data_decides_each_verdict():
     idle = synthetic_study(vespo={"clip": 0.005})  # the kernel damps 0.5% of sequences: below the check's 1%
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale"] == "not exercised"
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale-rep"] == "not exercised"
+    assert {r["key"]: r["verdict"] for r in study.judge(idle)}["11-vespo-lr"] == "not exercised"
+    steady = {r["key"]: r for r in study.judge(synthetic_study(**{"grpo-b0": {"acc": lambda s: 0.4 + 0.005 * s}}))}
+    assert steady["11-vespo-lr"]["verdict"] == "not exercised"  # GRPO does not drop: claim 11's third check
+    assert steady["10-vespo-stale"]["verdict"] == "predicted effect excluded, no effect not excluded"  # no such check
+    assert "GRPO's mean drop 0.000" in steady["11-vespo-lr"]["check"]
 
 
 def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
@@ -357,7 +366,7 @@ def test_each_contrast_lists_every_setting_it_changes():
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
-                      "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2}
+                      "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2, "11-vespo-lr": 2}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
     from tools.study.claims import CLAIM_9_ARMS, contrast_runs, runs_read
     assert contrast_runs("9-luspo-length") == CLAIM_9_ARMS  # LUSPO against base2's GSPO, the amendment's pair

@@ -734,6 +734,46 @@ def figure_10(runs: list[dict], out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 11. VESPO and GRPO at a 5x lower learning rate
+# ---------------------------------------------------------------------------------------------------------------
+
+CLAIMS_11 = [
+    # Registered in docs/study/protocol.md (69f8a73) before any of its runs: claim 10's contrast at lr 1e-5
+    Claim("11-vespo-lr", "11. VESPO is more stable than GRPO under stale ratios, at a 5x lower learning rate (VESPO)",
+          "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
+          "stale16vlr (stale16v at lr 1e-5): grpo-b0 - vespo, paired by seed", 0.10,
+          "claim 10's two, in stale16vlr; and the regime destabilises GRPO: its mean drop >= 0.10 (the mean "
+          "difference cannot exceed it)", unit="accuracy", family="vespo-lr"),
+]
+GRPO_DROPS = 0.10  # claim 11's third check: GRPO's mean drop from peak, the most the mean difference can be
+
+
+def analyse_11(runs: list[dict], add) -> None:
+    cell = "stale16vlr"
+    text, drop = beside(runs, "vespo", "grpo-b0", cell)
+    stale = mean_of(abs_log(runs, cell, "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
+    damped = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/frac"))
+    grpo_drop = mean_of(drop["grpo-b0"])
+    for arm in ("grpo-b0", "vespo"):  # beside it, no prediction: what the lower rate changes for each arm
+        text += (f"; {ARM_LABELS[arm]}'s drop at lr 5e-5 (stale16v) - at 1e-5 "
+                 f"{fmt_est(paired(by_seed(runs, 'stale16v', arm, peak_drop), drop[arm]))}")
+    add("11-vespo-lr", paired(drop["grpo-b0"], drop["vespo"]), stale,
+        f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
+        f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))}); "
+        f"GRPO's mean drop {grpo_drop:.3f}",
+        stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values())
+        and grpo_drop >= GRPO_DROPS, text)
+
+
+def figure_11(runs: list[dict], out: Path) -> dict:
+    return stability(runs, out, "claim11_vespo_lr", ("grpo-b0", "vespo"), "stale16vlr (stale16v at lr 1e-5), GRPO "
+                     "and VESPO at β = 0: accuracy as mean over seeds with its 95% t interval; right: the verdict's "
+                     "paired difference of the drop from peak per seed, with its mean and 95% t interval, 0 (grey) "
+                     "and the prediction (purple)", contrasts=[("11: GRPO - VESPO", "grpo-b0", "vespo", 0.10)],
+                     cell="stale16vlr")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Every claim, its analysis and its figure, in the report's order
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -743,7 +783,8 @@ def figure_1_both(runs: list[dict], out: Path) -> dict:
 
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1_both), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
             (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8),
-            (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10)]
+            (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10),
+            (CLAIMS_11, analyse_11, figure_11)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
@@ -757,7 +798,8 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "6-cispo-learn": ("base", "cispo", "gspo"), "6-cispo-stale": ("stale16", "gspo", "cispo"),
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
                  "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
-                 "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo")}
+                 "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo"),
+                 "11-vespo-lr": ("stale16vlr", "grpo-b0", "vespo")}
 SECOND_ARM_CELL = {"9-luspo-length": CLAIM_9_ARMS[1][0]}  # a contrast whose second arm's runs are in another cell
 
 
@@ -844,7 +886,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "smollm2prefix1": "3d7bb7e, before any of its runs: claim 1 inside each sequence at step 1, seeds 5-9",
             "luspo": "b5a4136, before any of its runs: claim 9, LUSPO's answer length",
             "vespo": "da078d6, before any of its runs: claim 10, VESPO under stale ratios",
-            "vespo-rep": "f5e42ce, before any of its runs: claim 10 at seeds 5-9"}
+            "vespo-rep": "f5e42ce, before any of its runs: claim 10 at seeds 5-9",
+            "vespo-lr": "69f8a73, before any of its runs: claim 11, claim 10 at a 5x lower learning rate"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

@@ -84,6 +84,12 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "vespo": ("vespo", {}),
     }),
+    # Claim 11, VESPO and GRPO at a 5x lower learning rate (registered before any of its runs): stale16v with --lr 1e-5
+    # and nothing else changed, seeds 0-4 (stale16v's warm starts)
+    "stale16vlr": ({"num_minibatches": "16", "lr": "1e-5"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "vespo": ("vespo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -132,6 +138,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("base2", ("gspo",), SEEDS)],  # claim 9's GSPO, made again at the code LUSPO ran with (~5 min a run)
     [("stale16v", ("grpo-b0", "vespo"), SEEDS)],  # claim 10, VESPO under stale ratios (~5 min a run)
     [("stale16vrep", ("grpo-b0", "vespo"), REPLICATION_SEEDS)],  # claim 10 replicated (~5 min a run)
+    [("stale16vlr", ("grpo-b0", "vespo"), SEEDS)],  # claim 11, at lr 1e-5 (~5 min a run)
 ]
 
 
