@@ -12,7 +12,7 @@ import numpy as np
 
 from tools.study.data import (PREFIX_K, arm_runs, by_seed, clip_differs, collapsed, drift, entropy_last10,
                               final_accuracy, length_exponent, length_spread, peak_drop, prefix_slope, prefix_stds,
-                              probe_regime, run_mean)
+                              probe_regime, run_mean, warm_start)
 from tools.study.design import CELLS, LONG_STEPS, SMOLLM2_STEPS
 from tools.study.figures import (ARM_LABELS, arms, headline, legend_below, save, pyplot, stability, style,
                                  two_panels, windows)
@@ -757,6 +757,9 @@ def analyse_11(runs: list[dict], add) -> None:
     for arm in ("grpo-b0", "vespo"):  # beside it, no prediction: what the lower rate changes for each arm
         text += (f"; {ARM_LABELS[arm]}'s drop at lr 5e-5 (stale16v) - at 1e-5 "
                  f"{fmt_est(paired(by_seed(runs, 'stale16v', arm, peak_drop), drop[arm]))}")
+    starts = {c: by_seed(runs, c, "grpo-b0", warm_start) for c in ("stale16v", cell)}  # the rate's pairs' starts
+    apart = [str(s) for s in sorted(set(starts["stale16v"]) & set(starts[cell])) if starts["stale16v"][s] != starts[cell][s]]
+    text += f" (from stale16v's starting policies{': not at seeds ' + ', '.join(apart) if apart else ''})"
     add("11-vespo-lr", paired(drop["grpo-b0"], drop["vespo"]), stale,
         f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
         f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))}); "
