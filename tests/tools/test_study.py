@@ -265,7 +265,7 @@ def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
     text = starting_policies_text(grid_runs(runs), study.judge(runs))
     assert "the rest of their cell: stale16 seed 2: sapo. " in text, text
     assert text.endswith("per seed: 7. SAPO's soft gate is more stable than GRPO's hard clip (SAPO) (seeds 2)."), text
-    # claim 11 reads each arm's drop at two rates beside its verdict (no verdict): it says whether those pairs share starts
+    # claim 11's text reads each arm's drop at two rates (no verdict): it says whether those pairs share starts
     assert {r["key"]: r for r in study.judge(synthetic_study())}["11-vespo-lr"]["extra"].endswith(
         "(from stale16v's starting policies)")
     runs = [r if (r["cell"], r["seed"]) != ("stale16vlr", 3) else

@@ -702,19 +702,25 @@ CLAIMS_10 = [
 DAMPED = 0.01  # claim 10's check: the run-mean fraction of sequences VESPO's kernel leaves under half their gradient
 
 
+def vespo_acts(runs: list[dict], cell: str) -> tuple[float, str, bool]:
+    """Claim 10's checks in `cell`: staleness moves VESPO's ratios (its mean |log ρ_t| over base GRPO β=0's, >= 2x)
+    and the kernel damps (a run-mean >= 1% of sequences below φ(W) = 0.5 in every seed). The ratio, text, passed."""
+    stale = mean_of(abs_log(runs, cell, "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
+    damped = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/frac"))
+    passed = stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values())
+    return stale, (f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
+                   f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} "
+                   f"(seeds {', '.join(map(str, sorted(damped)))})"), passed
+
+
 def analyse_10(runs: list[dict], add) -> None:
     for key, cell in (("10-vespo-stale", "stale16v"), ("10-vespo-stale-rep", "stale16vrep")):
         text, drop = beside(runs, "vespo", "grpo-b0", cell)
-        stale = mean_of(abs_log(runs, cell, "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
-        damped = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/frac"))
         phi = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/vespo_phi_mean"))
         if cell == "stale16v":
             earlier = by_seed(runs, "stale16", "grpo-b0", peak_drop)
             text += f"; stale16's own GRPO β=0 runs (other warm starts at seeds 1-4) dropped {level(earlier.values())}"
-        add(key, paired(drop["grpo-b0"], drop["vespo"]), stale,
-            f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
-            f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))})",
-            stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values()),
+        add(key, paired(drop["grpo-b0"], drop["vespo"]), *vespo_acts(runs, cell),
             text + f"; mean φ(W) over VESPO's updates {level(phi.values())}")
 
 
@@ -751,21 +757,17 @@ GRPO_DROPS = 0.10  # claim 11's third check: GRPO's mean drop from peak, the mos
 def analyse_11(runs: list[dict], add) -> None:
     cell = "stale16vlr"
     text, drop = beside(runs, "vespo", "grpo-b0", cell)
-    stale = mean_of(abs_log(runs, cell, "vespo")) / mean_of(abs_log(runs, "base", "grpo-b0"))
-    damped = by_seed(runs, cell, "vespo", lambda r: run_mean(r, "clip/frac"))
+    stale, acts, passed = vespo_acts(runs, cell)
     grpo_drop = mean_of(drop["grpo-b0"])
     for arm in ("grpo-b0", "vespo"):  # beside it, no prediction: what the lower rate changes for each arm
         text += (f"; {ARM_LABELS[arm]}'s drop at lr 5e-5 (stale16v) - at 1e-5 "
                  f"{fmt_est(paired(by_seed(runs, 'stale16v', arm, peak_drop), drop[arm]))}")
     starts = {c: by_seed(runs, c, "grpo-b0", warm_start) for c in ("stale16v", cell)}  # the rate's pairs' starts
-    apart = [str(s) for s in sorted(set(starts["stale16v"]) & set(starts[cell])) if starts["stale16v"][s] != starts[cell][s]]
+    apart = [str(s) for s in sorted(set(starts["stale16v"]) & set(starts[cell]))
+             if starts["stale16v"][s] != starts[cell][s]]
     text += f" (from stale16v's starting policies{': not at seeds ' + ', '.join(apart) if apart else ''})"
-    add("11-vespo-lr", paired(drop["grpo-b0"], drop["vespo"]), stale,
-        f"mean |log ρ_t| VESPO {cell} / GRPO β=0 base: {stale:.1f}x; sequences below φ 0.5 (run mean): "
-        f"{', '.join(f'{damped[s]:.3f}' for s in sorted(damped))} (seeds {', '.join(map(str, sorted(damped)))}); "
-        f"GRPO's mean drop {grpo_drop:.3f}",
-        stale >= MANIPULATION["stale_x"] and bool(damped) and all(v >= DAMPED for v in damped.values())
-        and grpo_drop >= GRPO_DROPS, text)
+    add("11-vespo-lr", paired(drop["grpo-b0"], drop["vespo"]), stale, f"{acts}; GRPO's mean drop {grpo_drop:.3f}",
+        passed and grpo_drop >= GRPO_DROPS, text)
 
 
 def figure_11(runs: list[dict], out: Path) -> dict:
