@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
-    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2) == 180
+    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2 + 2) == 190
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -58,6 +58,8 @@ def test_study_expands_to_the_documented_grid():
                                                "run_name": "stale16vlr-grpo-b0-s3"}  # claim 11: the rate alone
     assert by_name["stale16vlr-vespo-s3"] == {**by_name["stale16v-vespo-s3"], "lr": "1e-5",
                                              "run_name": "stale16vlr-vespo-s3"}
+    assert by_name["stale64vlr-vespo-s3"] == {**by_name["stale16vlr-vespo-s3"], "num_epochs": "4",
+                                             "run_name": "stale64vlr-vespo-s3"}  # claim 12: four passes alone
     first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
     assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
                                                             "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
@@ -176,8 +178,8 @@ def synthetic_study(**over):
     for seed in range(5):
         for cell, (_, arms) in study.CELLS.items():
             for arm in arms:
-                kw = {"abs_log": 0.05 if cell.startswith("stale16") else 0.01}
-                if cell.startswith("stale16") and arm in ("grpo-b0", "grpo"):
+                kw = {"abs_log": 0.05 if cell.startswith("stale") else 0.01}
+                if cell.startswith("stale") and arm in ("grpo-b0", "grpo"):
                     kw["acc"] = lambda s, seed=seed: 0.7 - abs(s - 15) / 50 - 0.01 * seed  # peak, then 50 points down
                 if arm == "grpo-b0" and cell in ("base", "base120"):
                     kw["rel"] = lambda s: 1.0 + s / 100  # wrong answers lengthen relative to right ones
@@ -246,8 +248,10 @@ def test_the_data_decides_each_verdict():
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale"] == "not exercised"
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale-rep"] == "not exercised"
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["11-vespo-lr"] == "not exercised"
+    assert {r["key"]: r["verdict"] for r in study.judge(idle)}["12-vespo-epochs"] == "not exercised"
     steady = {r["key"]: r for r in study.judge(synthetic_study(**{"grpo-b0": {"acc": lambda s: 0.4 + 0.005 * s}}))}
-    assert steady["11-vespo-lr"]["verdict"] == "not exercised"  # GRPO does not drop: claim 11's third check
+    assert steady["11-vespo-lr"]["verdict"] == steady["12-vespo-epochs"]["verdict"] == "not exercised"  # GRPO does
+    # not drop: claims 11-12's third check
     assert steady["10-vespo-stale"]["verdict"] == "predicted effect excluded, no effect not excluded"  # no such check
     assert "GRPO's mean drop 0.000" in steady["11-vespo-lr"]["check"]
 
@@ -272,6 +276,8 @@ def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
             {**r, "rows": [{**r["rows"][0], "eval/reward": 0.9}, *r["rows"][1:]]} for r in synthetic_study()]
     assert {r["key"]: r for r in study.judge(runs)}["11-vespo-lr"]["extra"].endswith(
         "(from stale16v's starting policies: not at seeds 3)")
+    assert {r["key"]: r for r in study.judge(runs)}["12-vespo-epochs"]["extra"].endswith(
+        "(from stale16vlr's starting policies: not at seeds 3)")
 
 
 def test_pack_and_load_keep_every_step(tmp_path):
@@ -373,7 +379,8 @@ def test_each_contrast_lists_every_setting_it_changes():
     counts = {key: len(design.changed(*arms)) for key, arms in CONTRAST_ARMS.items()}
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
-                      "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2, "11-vespo-lr": 2}
+                      "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2, "11-vespo-lr": 2,
+                      "12-vespo-epochs": 2}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
     from tools.study.claims import CLAIM_9_ARMS, contrast_runs, runs_read
     assert contrast_runs("9-luspo-length") == CLAIM_9_ARMS  # LUSPO against base2's GSPO, the amendment's pair

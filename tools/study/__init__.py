@@ -6,7 +6,7 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Twelve cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Thirteen cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
@@ -26,6 +26,8 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
     stale16v  stale16's regime: GRPO β = 0 and VESPO, made on one machine    claim 10
     stale16vrep  stale16v's two arms at seeds 5-9 (new warm starts)          claim 10 replicated
     stale16vlr  stale16v at lr 1e-5 (5x lower), seeds 0-4                   claim 11
+    stale64vlr  stale16vlr with 4 passes over each rollout (64 optimizer      claim 12
+              steps per rollout)
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
@@ -44,6 +46,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     stale16v: grpo-b0, vespo
     stale16vrep: grpo-b0, vespo
     stale16vlr: grpo-b0, vespo
+    stale64vlr: grpo-b0, vespo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

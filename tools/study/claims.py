@@ -740,42 +740,56 @@ def figure_10(runs: list[dict], out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. VESPO and GRPO at a 5x lower learning rate
+# 11-12. VESPO and GRPO at a 5x lower learning rate, then with four passes over each rollout
 # ---------------------------------------------------------------------------------------------------------------
 
-CLAIMS_11 = [
+CLAIMS_11_12 = [
     # Registered in docs/study/protocol.md (69f8a73) before any of its runs: claim 10's contrast at lr 1e-5
     Claim("11-vespo-lr", "11. VESPO is more stable than GRPO under stale ratios, at a 5x lower learning rate (VESPO)",
           "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
           "stale16vlr (stale16v at lr 1e-5): grpo-b0 - vespo, paired by seed", 0.10,
           "claim 10's two, in stale16vlr; and the regime destabilises GRPO: its mean drop >= 0.10 (the mean "
           "difference cannot exceed it)", unit="accuracy", family="vespo-lr"),
+    # Registered in docs/study/protocol.md (0edb04e) before any of its runs: claim 11's contrast at 4 epochs
+    Claim("12-vespo-epochs", "12. the same with 64 optimizer steps per rollout (4 passes), lr 1e-5 (VESPO)",
+          "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
+          "stale64vlr (stale16vlr at 4 epochs): grpo-b0 - vespo, paired by seed", 0.10,
+          "claim 11's three, in stale64vlr", unit="accuracy", family="vespo-epochs"),
 ]
-GRPO_DROPS = 0.10  # claim 11's third check: GRPO's mean drop from peak, the most the mean difference can be
+GRPO_DROPS = 0.10  # claims 11-12's third check: GRPO's mean drop from peak, the most the mean difference can be
+# each claim's cell, and beside it (no prediction) each arm's drop in one cell minus another's: (a, b, in words)
+CLAIMS_11_12_CELLS = {"11-vespo-lr": ("stale16vlr", ("stale16v", "stale16vlr", "at lr 5e-5 (stale16v) - at 1e-5")),
+                      "12-vespo-epochs": ("stale64vlr", ("stale64vlr", "stale16vlr",
+                                                         "at 4 epochs (stale64vlr) - at 1 (stale16vlr)"))}
 
 
-def analyse_11(runs: list[dict], add) -> None:
-    cell = "stale16vlr"
-    text, drop = beside(runs, "vespo", "grpo-b0", cell)
-    stale, acts, passed = vespo_acts(runs, cell)
-    grpo_drop = mean_of(drop["grpo-b0"])
-    for arm in ("grpo-b0", "vespo"):  # beside it, no prediction: what the lower rate changes for each arm
-        text += (f"; {ARM_LABELS[arm]}'s drop at lr 5e-5 (stale16v) - at 1e-5 "
-                 f"{fmt_est(paired(by_seed(runs, 'stale16v', arm, peak_drop), drop[arm]))}")
-    starts = {c: by_seed(runs, c, "grpo-b0", warm_start) for c in ("stale16v", cell)}  # the rate's pairs' starts
-    apart = [str(s) for s in sorted(set(starts["stale16v"]) & set(starts[cell]))
-             if starts["stale16v"][s] != starts[cell][s]]
-    text += f" (from stale16v's starting policies{': not at seeds ' + ', '.join(apart) if apart else ''})"
-    add("11-vespo-lr", paired(drop["grpo-b0"], drop["vespo"]), stale, f"{acts}; GRPO's mean drop {grpo_drop:.3f}",
-        passed and grpo_drop >= GRPO_DROPS, text)
+def analyse_11_12(runs: list[dict], add) -> None:
+    for key, (cell, (a, b, words)) in CLAIMS_11_12_CELLS.items():
+        text, drop = beside(runs, "vespo", "grpo-b0", cell)
+        stale, acts, passed = vespo_acts(runs, cell)
+        grpo_drop = mean_of(drop["grpo-b0"])
+        for arm in ("grpo-b0", "vespo"):  # beside it, no prediction: what the change of cell does to each arm
+            text += (f"; {ARM_LABELS[arm]}'s drop {words} "
+                     f"{fmt_est(paired(by_seed(runs, a, arm, peak_drop), by_seed(runs, b, arm, peak_drop)))}")
+        other = a if b == cell else b
+        starts = {c: by_seed(runs, c, "grpo-b0", warm_start) for c in (other, cell)}  # those pairs' starts
+        apart = [str(s) for s in sorted(set(starts[other]) & set(starts[cell])) if starts[other][s] != starts[cell][s]]
+        text += f" (from {other}'s starting policies{': not at seeds ' + ', '.join(apart) if apart else ''})"
+        add(key, paired(drop["grpo-b0"], drop["vespo"]), stale, f"{acts}; GRPO's mean drop {grpo_drop:.3f}",
+            passed and grpo_drop >= GRPO_DROPS, text)
 
 
-def figure_11(runs: list[dict], out: Path) -> dict:
-    return stability(runs, out, "claim11_vespo_lr", ("grpo-b0", "vespo"), "stale16vlr (stale16v at lr 1e-5), GRPO "
-                     "and VESPO at β = 0: accuracy as mean over seeds with its 95% t interval; right: the verdict's "
-                     "paired difference of the drop from peak per seed, with its mean and 95% t interval, 0 (grey) "
-                     "and the prediction (purple)", contrasts=[("11: GRPO - VESPO", "grpo-b0", "vespo", 0.10)],
-                     cell="stale16vlr")
+def figure_11_12(runs: list[dict], out: Path) -> dict:
+    figs = {}
+    for cell, name, label, what in (
+            ("stale16vlr", "claim11_vespo_lr", "11", "stale16vlr (stale16v at lr 1e-5)"),
+            ("stale64vlr", "claim12_vespo_epochs", "12", "stale64vlr (stale16vlr at 4 epochs: 64 optimizer steps "
+                                                         "per rollout)")):
+        figs.update(stability(runs, out, name, ("grpo-b0", "vespo"), f"{what}, GRPO and VESPO at β = 0: accuracy as "
+                              "mean over seeds with its 95% t interval; right: the verdict's paired difference of the "
+                              "drop from peak per seed, with its mean and 95% t interval, 0 (grey) and the prediction "
+                              "(purple)", contrasts=[(f"{label}: GRPO - VESPO", "grpo-b0", "vespo", 0.10)], cell=cell))
+    return figs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -789,7 +803,7 @@ def figure_1_both(runs: list[dict], out: Path) -> dict:
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1_both), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
             (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8),
             (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10),
-            (CLAIMS_11, analyse_11, figure_11)]
+            (CLAIMS_11_12, analyse_11_12, figure_11_12)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
@@ -804,7 +818,8 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "7-sapo": ("stale16", "grpo-b0", "sapo"), "8-gmpo": ("stale16", "grpo-b0", "gmpo"),
                  "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
                  "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo"),
-                 "11-vespo-lr": ("stale16vlr", "grpo-b0", "vespo")}
+                 "11-vespo-lr": ("stale16vlr", "grpo-b0", "vespo"),
+                 "12-vespo-epochs": ("stale64vlr", "grpo-b0", "vespo")}
 SECOND_ARM_CELL = {"9-luspo-length": CLAIM_9_ARMS[1][0]}  # a contrast whose second arm's runs are in another cell
 
 
@@ -892,7 +907,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "luspo": "b5a4136, before any of its runs: claim 9, LUSPO's answer length",
             "vespo": "da078d6, before any of its runs: claim 10, VESPO under stale ratios",
             "vespo-rep": "f5e42ce, before any of its runs: claim 10 at seeds 5-9",
-            "vespo-lr": "69f8a73, before any of its runs: claim 11, claim 10 at a 5x lower learning rate"}
+            "vespo-lr": "69f8a73, before any of its runs: claim 11, claim 10 at a 5x lower learning rate",
+            "vespo-epochs": "0edb04e, before any of its runs: claim 12, claim 11 with four passes over each rollout"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

@@ -90,6 +90,12 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "vespo": ("vespo", {}),
     }),
+    # Claim 12, the same with four passes over each rollout (registered before any of its runs): stale16vlr with
+    # --num-epochs 4 and nothing else changed (64 optimizer steps per rollout), seeds 0-4
+    "stale64vlr": ({"num_minibatches": "16", "lr": "1e-5", "num_epochs": "4"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "vespo": ("vespo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -139,6 +145,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("stale16v", ("grpo-b0", "vespo"), SEEDS)],  # claim 10, VESPO under stale ratios (~5 min a run)
     [("stale16vrep", ("grpo-b0", "vespo"), REPLICATION_SEEDS)],  # claim 10 replicated (~5 min a run)
     [("stale16vlr", ("grpo-b0", "vespo"), SEEDS)],  # claim 11, at lr 1e-5 (~5 min a run)
+    [("stale64vlr", ("grpo-b0", "vespo"), SEEDS)],  # claim 12, at lr 1e-5 and 4 epochs (~10 min a run)
 ]
 
 
