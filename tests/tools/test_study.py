@@ -68,6 +68,10 @@ def test_study_expands_to_the_documented_grid():
     assert seeds == sorted(seeds)
     for cell, (_, arms) in study.CELLS.items():  # documented where `python -m tools.study --help` shows it
         assert f"\n    {cell} " in study.__doc__ and all(a in study.__doc__ for a in arms)
+    protocol = (ROOT / "docs" / "study" / "protocol.md").read_text()  # and in the protocol's copy, line for line
+    listed = [line for line in study.__doc__.splitlines() if line.startswith("    ") and line.split()[0].rstrip(":")
+              in study.CELLS]
+    assert len(listed) == 2 * len(study.CELLS) and all(f"\n{line}\n" in protocol for line in listed)
     assert "--dataset" in study.COMMON and "embedded-long" in study.COMMON
 
 
