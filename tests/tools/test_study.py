@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_study_expands_to_the_documented_grid():
     runs = study.grid(tuple(study.CELLS), study.ALL_SEEDS)
-    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2 + 2) == 190
+    assert len(runs) == 5 * (9 + 8 + 2 + 2 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2 + 2 + 2) == 200
     names = [r["run_name"] for r in runs]
     assert len(set(names)) == len(names)
     by_name = {r["run_name"]: r for r in runs}
@@ -60,6 +60,8 @@ def test_study_expands_to_the_documented_grid():
                                              "run_name": "stale16vlr-vespo-s3"}
     assert by_name["stale64vlr-vespo-s3"] == {**by_name["stale16vlr-vespo-s3"], "num_epochs": "4",
                                              "run_name": "stale64vlr-vespo-s3"}  # claim 12: four passes alone
+    assert by_name["stale16vmid-grpo-b0-s3"] == {**by_name["stale16v-grpo-b0-s3"], "lr": "3e-5",
+                                                "run_name": "stale16vmid-grpo-b0-s3"}  # claim 13: the rate alone
     first = len(runs) - sum(len(arms) * len(seeds) for group in study.RUN_ORDER[1:] for _, arms, seeds in group)
     assert {n.rsplit("-s", 1)[0] for n in names[:first]} == {"stale16-grpo-b0", "stale16-gspo", "stale16-dapo",
                                                             "stale16-dapo-eh0.2", "base-grpo-b0", "base-gspo",
@@ -253,9 +255,10 @@ def test_the_data_decides_each_verdict():
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["10-vespo-stale-rep"] == "not exercised"
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["11-vespo-lr"] == "not exercised"
     assert {r["key"]: r["verdict"] for r in study.judge(idle)}["12-vespo-epochs"] == "not exercised"
+    assert {r["key"]: r["verdict"] for r in study.judge(idle)}["13-vespo-mid"] == "not exercised"
     steady = {r["key"]: r for r in study.judge(synthetic_study(**{"grpo-b0": {"acc": lambda s: 0.4 + 0.005 * s}}))}
-    assert steady["11-vespo-lr"]["verdict"] == steady["12-vespo-epochs"]["verdict"] == "not exercised"  # GRPO does
-    # not drop: claims 11-12's third check
+    assert steady["11-vespo-lr"]["verdict"] == steady["12-vespo-epochs"]["verdict"] == \
+        steady["13-vespo-mid"]["verdict"] == "not exercised"  # GRPO does not drop: claims 11-13's third check
     assert steady["10-vespo-stale"]["verdict"] == "predicted effect excluded, no effect not excluded"  # no such check
     assert "GRPO's mean drop 0.000" in steady["11-vespo-lr"]["check"]
 
@@ -274,8 +277,9 @@ def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
     assert "the rest of their cell: stale16 seed 2: sapo. " in text, text
     assert text.endswith("per seed: 7. SAPO's soft gate is more stable than GRPO's hard clip (SAPO) (seeds 2)."), text
     # claim 11's text reads each arm's drop at two rates (no verdict): it says whether those pairs share starts
-    assert {r["key"]: r for r in study.judge(synthetic_study())}["11-vespo-lr"]["extra"].endswith(
-        "(from stale16v's starting policies)")
+    judged = {r["key"]: r for r in study.judge(synthetic_study())}
+    assert judged["11-vespo-lr"]["extra"].endswith("(from stale16v's starting policies)")
+    assert judged["13-vespo-mid"]["extra"].endswith("(from stale16v's starting policies)")
     runs = [r if (r["cell"], r["seed"]) != ("stale16vlr", 3) else
             {**r, "rows": [{**r["rows"][0], "eval/reward": 0.9}, *r["rows"][1:]]} for r in synthetic_study()]
     assert {r["key"]: r for r in study.judge(runs)}["11-vespo-lr"]["extra"].endswith(
@@ -384,7 +388,7 @@ def test_each_contrast_lists_every_setting_it_changes():
     assert counts == {"2-clip": 3, "2-clip-smollm2long": 3, "2-clip-tokens": 3, "2-learn": 3, "3-b0": 3, "3-b0.04": 3, "3-b0-rep": 3, "4-agg": 1, "4-agg-120": 1, "5-entropy": 1,
                       "5-smollm2": 1, "6-cispo-learn": 5, "6-cispo-stale": 5, "7-sapo": 1, "8-gmpo": 4,
                       "9-luspo-length": 1, "10-vespo-stale": 2, "10-vespo-stale-rep": 2, "11-vespo-lr": 2,
-                      "12-vespo-epochs": 2}
+                      "12-vespo-epochs": 2, "13-vespo-mid": 2}
     assert "loss_agg_mode" in design.changed(*CONTRAST_ARMS["6-cispo-learn"])
     from tools.study.claims import CLAIM_9_ARMS, contrast_runs, runs_read
     assert contrast_runs("9-luspo-length") == CLAIM_9_ARMS  # LUSPO against base2's GSPO, the amendment's pair

@@ -6,7 +6,7 @@
 Every run is `train.py --dataset embedded-long --num-prompts 8` (correct answers of 20-295 tokens, 8 prompts x 8
 completions per rollout) for 40 RL steps, held-out greedy accuracy every 5 steps, up to 5 seeds (design.RUN_ORDER
 decides which arms get them first; the report counts what ran). A seed is one warm start: every arm of a seed starts
-from the same policy, so contrasts are paired by seed. Thirteen cells (regimes); base120 is base run three times as long
+from the same policy, so contrasts are paired by seed. Fourteen cells (regimes); base120 is base run three times as long
 (claim 4's drift needs a horizon), smollm2 and smollm2long have their own model, task and horizon (SMOLLM2_FLAGS,
 SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and prompt order):
 
@@ -28,6 +28,7 @@ SMOLLM2_LONG_FLAGS; a seed there is the same pretrained start, its sampling and 
     stale16vlr  stale16v at lr 1e-5 (5x lower), seeds 0-4                   claim 11
     stale64vlr  stale16vlr with 4 passes over each rollout (64 optimizer      claim 12
               steps per rollout)
+    stale16vmid  stale16v at lr 3e-5, seeds 0-4                              claim 13
 
 and in each, arms meant to change as little as possible (summary.md lists every setting each contrast changes;
 every arm at β = 0 unless its name says otherwise; the GRPO
@@ -47,6 +48,7 @@ preset's β 0.04 would otherwise ride along with the ratio level):
     stale16vrep: grpo-b0, vespo
     stale16vlr: grpo-b0, vespo
     stale64vlr: grpo-b0, vespo
+    stale16vmid: grpo-b0, vespo
 
 (the successors' presets are at β = 0, like grpo-b0 and gspo, which they are compared with).
 

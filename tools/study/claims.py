@@ -740,10 +740,10 @@ def figure_10(runs: list[dict], out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11-12. VESPO and GRPO at a 5x lower learning rate, then with four passes over each rollout
+# 11-13. VESPO and GRPO at a 5x lower learning rate, with four passes over each rollout, and at lr 3e-5
 # ---------------------------------------------------------------------------------------------------------------
 
-CLAIMS_11_12 = [
+CLAIMS_11_13 = [
     # Registered in docs/study/protocol.md (69f8a73) before any of its runs: claim 10's contrast at lr 1e-5
     Claim("11-vespo-lr", "11. VESPO is more stable than GRPO under stale ratios, at a 5x lower learning rate (VESPO)",
           "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
@@ -755,16 +755,22 @@ CLAIMS_11_12 = [
           "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
           "stale64vlr (stale16vlr at 4 epochs): grpo-b0 - vespo, paired by seed", 0.10,
           "claim 11's three, in stale64vlr", unit="accuracy", family="vespo-epochs"),
+    # Registered in docs/study/protocol.md (fba4a05) before any of its runs: claim 11's contrast at lr 3e-5
+    Claim("13-vespo-mid", "13. the same at lr 3e-5, 16 minibatches (VESPO)",
+          "VESPO, arXiv 2602.10693", "peak-to-final drop of held-out accuracy",
+          "stale16vmid (stale16v at lr 3e-5): grpo-b0 - vespo, paired by seed", 0.10,
+          "claim 11's three, in stale16vmid", unit="accuracy", family="vespo-mid"),
 ]
-GRPO_DROPS = 0.10  # claims 11-12's third check: GRPO's mean drop from peak, the most the mean difference can be
+GRPO_DROPS = 0.10  # claims 11-13's third check: GRPO's mean drop from peak, the most the mean difference can be
 # each claim's cell, and beside it (no prediction) each arm's drop in one cell minus another's: (a, b, in words)
-CLAIMS_11_12_CELLS = {"11-vespo-lr": ("stale16vlr", ("stale16v", "stale16vlr", "at lr 5e-5 (stale16v) - at 1e-5")),
+CLAIMS_11_13_CELLS = {"11-vespo-lr": ("stale16vlr", ("stale16v", "stale16vlr", "at lr 5e-5 (stale16v) - at 1e-5")),
                       "12-vespo-epochs": ("stale64vlr", ("stale64vlr", "stale16vlr",
-                                                         "at 4 epochs (stale64vlr) - at 1 (stale16vlr)"))}
+                                                         "at 4 epochs (stale64vlr) - at 1 (stale16vlr)")),
+                      "13-vespo-mid": ("stale16vmid", ("stale16v", "stale16vmid", "at lr 5e-5 (stale16v) - at 3e-5"))}
 
 
-def analyse_11_12(runs: list[dict], add) -> None:
-    for key, (cell, (a, b, words)) in CLAIMS_11_12_CELLS.items():
+def analyse_11_13(runs: list[dict], add) -> None:
+    for key, (cell, (a, b, words)) in CLAIMS_11_13_CELLS.items():
         text, drop = beside(runs, "vespo", "grpo-b0", cell)
         stale, acts, passed = vespo_acts(runs, cell)
         grpo_drop = mean_of(drop["grpo-b0"])
@@ -779,12 +785,13 @@ def analyse_11_12(runs: list[dict], add) -> None:
             passed and grpo_drop >= GRPO_DROPS, text)
 
 
-def figure_11_12(runs: list[dict], out: Path) -> dict:
+def figure_11_13(runs: list[dict], out: Path) -> dict:
     figs = {}
     for cell, name, label, what in (
             ("stale16vlr", "claim11_vespo_lr", "11", "stale16vlr (stale16v at lr 1e-5)"),
             ("stale64vlr", "claim12_vespo_epochs", "12", "stale64vlr (stale16vlr at 4 epochs: 64 optimizer steps "
-                                                         "per rollout)")):
+                                                         "per rollout)"),
+            ("stale16vmid", "claim13_vespo_mid", "13", "stale16vmid (stale16v at lr 3e-5)")):
         figs.update(stability(runs, out, name, ("grpo-b0", "vespo"), f"{what}, GRPO and VESPO at β = 0: accuracy as "
                               "mean over seeds with its 95% t interval; right: the verdict's paired difference of the "
                               "drop from peak per seed, with its mean and 95% t interval, 0 (grey) and the prediction "
@@ -803,7 +810,7 @@ def figure_1_both(runs: list[dict], out: Path) -> dict:
 SECTIONS = [(CLAIMS_1, analyse_1, figure_1_both), (CLAIMS_2, analyse_2, figure_2), (CLAIMS_3, analyse_3, figure_3),
             (CLAIMS_4, analyse_4, figure_4), (CLAIMS_5, analyse_5, figure_5), (CLAIMS_6_8, analyse_6_8, figure_6_8),
             (CLAIMS_9, analyse_9, figure_9), (CLAIMS_10, analyse_10, figure_10),
-            (CLAIMS_11_12, analyse_11_12, figure_11_12)]
+            (CLAIMS_11_13, analyse_11_13, figure_11_13)]
 CLAIMS = [c for claims, _, _ in SECTIONS for c in claims]
 # The two arms each paired contrast compares, (cell, arm, arm): the report lists every setting they differ in
 # (claim 1 averages over every arm of its regime instead)
@@ -819,7 +826,8 @@ CONTRAST_ARMS = {"2-clip": ("base", "gspo", "grpo-b0"), "2-clip-smollm2long": ("
                  "9-luspo-length": ("base", "luspo", "gspo"), "10-vespo-stale": ("stale16v", "grpo-b0", "vespo"),
                  "10-vespo-stale-rep": ("stale16vrep", "grpo-b0", "vespo"),
                  "11-vespo-lr": ("stale16vlr", "grpo-b0", "vespo"),
-                 "12-vespo-epochs": ("stale64vlr", "grpo-b0", "vespo")}
+                 "12-vespo-epochs": ("stale64vlr", "grpo-b0", "vespo"),
+                 "13-vespo-mid": ("stale16vmid", "grpo-b0", "vespo")}
 SECOND_ARM_CELL = {"9-luspo-length": CLAIM_9_ARMS[1][0]}  # a contrast whose second arm's runs are in another cell
 
 
@@ -908,7 +916,8 @@ FAMILIES = {"first": "1263395, before any run: claims 1-5 on the embedded model"
             "vespo": "da078d6, before any of its runs: claim 10, VESPO under stale ratios",
             "vespo-rep": "f5e42ce, before any of its runs: claim 10 at seeds 5-9",
             "vespo-lr": "69f8a73, before any of its runs: claim 11, claim 10 at a 5x lower learning rate",
-            "vespo-epochs": "0edb04e, before any of its runs: claim 12, claim 11 with four passes over each rollout"}
+            "vespo-epochs": "0edb04e, before any of its runs: claim 12, claim 11 with four passes over each rollout",
+            "vespo-mid": "fba4a05, before any of its runs: claim 13, claim 11 at lr 3e-5"}
 
 
 def family_tests(rows: list[dict]) -> list[tuple[int, float]]:

@@ -96,6 +96,12 @@ CELLS: dict[str, tuple[dict[str, str], dict[str, tuple[str, dict[str, str]]]]] =
         "grpo-b0": ("grpo", {"beta": "0"}),
         "vespo": ("vespo", {}),
     }),
+    # Claim 13, the same at lr 3e-5 (registered before any of its runs): stale16v with --lr 3e-5 and nothing else
+    # changed, seeds 0-4
+    "stale16vmid": ({"num_minibatches": "16", "lr": "3e-5"}, {
+        "grpo-b0": ("grpo", {"beta": "0"}),
+        "vespo": ("vespo", {}),
+    }),
     # Claim 1 inside each sequence and claim 2a in tokens (issue 49), registered before any of its runs: the
     # smollm2long runs made again with --log-prefix-spread (one more forward pass after each update, nothing
     # learned changes), so seeds 0-4 should repeat smollm2long's metrics bit for bit: checked, not assumed
@@ -146,6 +152,7 @@ RUN_ORDER: list[list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = [
     [("stale16vrep", ("grpo-b0", "vespo"), REPLICATION_SEEDS)],  # claim 10 replicated (~5 min a run)
     [("stale16vlr", ("grpo-b0", "vespo"), SEEDS)],  # claim 11, at lr 1e-5 (~5 min a run)
     [("stale64vlr", ("grpo-b0", "vespo"), SEEDS)],  # claim 12, at lr 1e-5 and 4 epochs (~10 min a run)
+    [("stale16vmid", ("grpo-b0", "vespo"), SEEDS)],  # claim 13, at lr 3e-5 (~5 min a run)
 ]
 
 
