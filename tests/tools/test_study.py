@@ -133,6 +133,12 @@ def test_as_well_as_uses_the_margin():
     assert study.verdict(study.estimate([0.2, -0.3, 0.1, -0.25]), 0.0, True, margin=0.1) == "inconclusive"
 
 
+def test_an_estimate_whose_mean_is_zero_but_for_rounding_prints_as_zero():
+    e = study.estimate([0.3, -0.1, -0.2])  # claim 13's final accuracies summed to -2.2e-17
+    assert e.mean != 0 and abs(e.mean) < 1e-12
+    assert study.fmt_est(e).startswith("+0 [") and study.fmt_est(study.estimate([0.01, 0.02])).startswith("+0.015 [")
+
+
 def test_pairing_uses_the_seeds_both_arms_have():
     e = study.paired({0: 1.0, 1: 2.0, 2: 3.0}, {0: 0.5, 1: 1.0, 3: 9.0})
     assert e.n == 2 and e.values == [0.5, 1.0]

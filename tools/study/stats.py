@@ -120,9 +120,10 @@ def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
     if e.n == 0:
         return "n/a"
     f = f"{'+' if signed else ''}.{digits}g"
+    mean = 0.0 if abs(e.mean) < 1e-12 else e.mean  # a sum's rounding (-2.2e-17) reads as what it is: 0
     if e.n < 2:
-        return f"{e.mean:{f}} (1 seed)"
-    return f"{e.mean:{f}} [{e.lo:{f}}, {e.hi:{f}}] (n={e.n})"
+        return f"{mean:{f}} (1 seed)"
+    return f"{mean:{f}} [{e.lo:{f}}, {e.hi:{f}}] (n={e.n})"
 
 
 def pct(v: float) -> str:
