@@ -137,6 +137,7 @@ def test_an_estimate_whose_mean_is_zero_but_for_rounding_prints_as_zero():
     e = study.estimate([0.3, -0.1, -0.2])  # claim 13's final accuracies summed to -2.2e-17
     assert e.mean != 0 and abs(e.mean) < 1e-12
     assert study.fmt_est(e).startswith("+0 [") and study.fmt_est(study.estimate([0.01, 0.02])).startswith("+0.015 [")
+    assert study.fmt_est(study.estimate([3e-14, 1e-14])).startswith("+2e-14 [")  # a small quantity is not rounding
 
 
 def test_pairing_uses_the_seeds_both_arms_have():

@@ -120,7 +120,8 @@ def fmt_est(e: Estimate, digits: int = 3, signed: bool = True) -> str:
     if e.n == 0:
         return "n/a"
     f = f"{'+' if signed else ''}.{digits}g"
-    mean = 0.0 if abs(e.mean) < 1e-12 else e.mean  # a sum's rounding (-2.2e-17) reads as what it is: 0
+    # a mean that is zero but for its sum's rounding (-2.2e-17 of values ~0.1) reads as what it is: 0
+    mean = 0.0 if abs(e.mean) <= 1e-12 * max(map(abs, e.values), default=0.0) else e.mean
     if e.n < 2:
         return f"{mean:{f}} (1 seed)"
     return f"{mean:{f}} [{e.lo:{f}}, {e.hi:{f}}] (n={e.n})"
