@@ -724,19 +724,25 @@ def analyse_10(runs: list[dict], add) -> None:
             text + f"; mean φ(W) over VESPO's updates {level(phi.values())}")
 
 
-def figure_10(runs: list[dict], out: Path) -> dict:
-    """Claim 10's figure and its replication's, one per cell."""
+def vespo_figures(runs: list[dict], out: Path, panels) -> dict:
+    """One stability figure per VESPO cell, each panel (cell, file name, label, what the cell is): its accuracy bands
+    and its verdict's paired difference GRPO - VESPO of the drop from peak."""
     figs = {}
-    for cell, name, label, what in (
-            ("stale16v", "claim10_vespo_stale", "10", "stale16v (stale16's regime, both arms made on one machine), "
-                                                      "GRPO and VESPO at β = 0"),
-            ("stale16vrep", "claim10_vespo_stale_rep", "10 rep", "stale16vrep, claim 10's two arms at seeds 5-9 (a "
-                                                                 "replication)")):
+    for cell, name, label, what in panels:
         figs.update(stability(runs, out, name, ("grpo-b0", "vespo"), f"{what}: accuracy as mean over seeds with its "
                               "95% t interval; right: the verdict's paired difference of the drop from peak per seed, "
                               "with its mean and 95% t interval, 0 (grey) and the prediction (purple)",
                               contrasts=[(f"{label}: GRPO - VESPO", "grpo-b0", "vespo", 0.10)], cell=cell))
     return figs
+
+
+def figure_10(runs: list[dict], out: Path) -> dict:
+    """Claim 10's figure and its replication's, one per cell."""
+    return vespo_figures(runs, out, (
+        ("stale16v", "claim10_vespo_stale", "10", "stale16v (stale16's regime, both arms made on one machine), GRPO "
+                                                  "and VESPO at β = 0"),
+        ("stale16vrep", "claim10_vespo_stale_rep", "10 rep", "stale16vrep, claim 10's two arms at seeds 5-9 (a "
+                                                             "replication)")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -786,17 +792,11 @@ def analyse_11_13(runs: list[dict], add) -> None:
 
 
 def figure_11_13(runs: list[dict], out: Path) -> dict:
-    figs = {}
-    for cell, name, label, what in (
-            ("stale16vlr", "claim11_vespo_lr", "11", "stale16vlr (stale16v at lr 1e-5)"),
-            ("stale64vlr", "claim12_vespo_epochs", "12", "stale64vlr (stale16vlr at 4 epochs: 64 optimizer steps "
-                                                         "per rollout)"),
-            ("stale16vmid", "claim13_vespo_mid", "13", "stale16vmid (stale16v at lr 3e-5)")):
-        figs.update(stability(runs, out, name, ("grpo-b0", "vespo"), f"{what}, GRPO and VESPO at β = 0: accuracy as "
-                              "mean over seeds with its 95% t interval; right: the verdict's paired difference of the "
-                              "drop from peak per seed, with its mean and 95% t interval, 0 (grey) and the prediction "
-                              "(purple)", contrasts=[(f"{label}: GRPO - VESPO", "grpo-b0", "vespo", 0.10)], cell=cell))
-    return figs
+    return vespo_figures(runs, out, (
+        ("stale16vlr", "claim11_vespo_lr", "11", "stale16vlr (stale16v at lr 1e-5), GRPO and VESPO at β = 0"),
+        ("stale64vlr", "claim12_vespo_epochs", "12", "stale64vlr (stale16vlr at 4 epochs: 64 optimizer steps per "
+                                                     "rollout), GRPO and VESPO at β = 0"),
+        ("stale16vmid", "claim13_vespo_mid", "13", "stale16vmid (stale16v at lr 3e-5), GRPO and VESPO at β = 0")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
