@@ -112,12 +112,28 @@ def test_the_readme_quotes_the_lines_one_rl_step_reads():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"is **{lines_and_files['gspo'][0]} lines in {lines_and_files['gspo'][1]} files** "
             f"({lines_and_files['dapo'][0]} for DAPO)") in readme, lines_and_files
+    split = step_lines.roles(whole["gspo"], counted)
+    assert sum(split.values()) == lines_and_files["gspo"][0], split  # the four roles add up to the whole path
+    assert (f"Of the {lines_and_files['gspo'][0]}, {split['the step']} are the step's, {split['what it logs']} compute "
+            f"what it logs") in readme and (f"{split['the loop']} are the loop around it and {split['plumbing']} are "
+                                            "`plumbing/`") in readme, split
     lines = {m: c["lines"] for m, c in counted.items()}
     quoted = (f"**{sum(lines.values())} lines of these four files** (train {lines['train']}, rollout {lines['rollout']}, "
               f"losses {lines['losses']}, rewards {lines['rewards']}; ")
     assert quoted in readme, quoted
     dapo = sum(c["lines"] for c in step_lines.measure(step_lines.one_step("dapo")).values())
     assert f"; {dapo} with DAPO's dynamic sampling)" in readme, dapo
+
+
+def test_step_lines_splits_the_whole_path_by_role():
+    """Each function of the whole path counts once, in one role: on the core reader's path, the step; off it, in
+    plumbing/ or base/, plumbing; in metrics.py or losses.py, what the step logs; in another core file, the loop."""
+    from tools import step_lines
+
+    core = {"train": {"firsts": {10: 5}}, "losses": {"firsts": {1: 3}}, "rollout": {"firsts": {40: 9}}}
+    whole = {"train": {"firsts": {10: 5, 40: 7}}, "losses": {"firsts": {1: 3, 20: 11}}, "metrics": {"firsts": {1: 2}},
+             "plumbing.ddp": {"firsts": {3: 4}}, "base.errors": {"firsts": {1: 1}}, "rollout": {"firsts": {5: 6, 40: 9}}}
+    assert step_lines.roles(whole, core) == {"the step": 17, "what it logs": 13, "the loop": 13, "plumbing": 5}
 
 
 def test_the_folders_maps_name_what_is_there():

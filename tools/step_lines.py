@@ -10,7 +10,8 @@ Each function counts with all its lines (signature, docstring, comments; a neste
 it; a method counts alone, not its class), once. Class bodies that only declare fields (Args, Batch, Rollout's
 fields) run no code and are not counted, nor are torch and transformers (as torch's internals are not part of
 cleanrl's ~155). Also counted: the data-parallel calls (`world.<name>(...)`) written in the functions that run.
-Each file's line lists the functions that ran in the file's order, each with its lines.
+Each file's line lists the functions that ran in the file's order, each with its lines. The whole path's lines are
+also split by role (the step, what it logs, the loop, plumbing; `roles`), which add up to it.
 """
 
 from __future__ import annotations
@@ -126,7 +127,26 @@ def measure(step, whole: bool = False) -> dict:
                  and sub.func.value.id == "world"]
         out[name] = {"lines": sum(last - first + 1 for first, last, _ in spans), "functions": sorted(
             n.name for _, _, n in spans), "world_calls": world,
-                     "sizes": [(n.name, last - first + 1) for first, last, n in spans]}  # in the file's order
+                     "sizes": [(n.name, last - first + 1) for first, last, n in spans],  # in the file's order
+                     "firsts": {first: last - first + 1 for first, last, _ in spans}}  # first line -> lines
+    return out
+
+
+ROLES = ("the step", "what it logs", "the loop", "plumbing")
+
+
+def roles(whole: dict, core: dict) -> dict[str, int]:
+    """The whole path's lines by what they do: the step (the functions of the core reader's path), what it logs
+    (metrics.py, and losses.py's functions off that path: the ratio and clip diagnostics), the loop around the step
+    (the other core functions off that path: train.train, and whatever the loop calls between two steps) and
+    plumbing (plumbing/, base/). The four add up to the whole path."""
+    out = dict.fromkeys(ROLES, 0)
+    for module, counted in whole.items():
+        on_path = core.get(module, {}).get("firsts", {})
+        for first, lines in counted["firsts"].items():
+            role = ("the step" if first in on_path else "plumbing" if module.split(".")[0] in ("plumbing", "base")
+                    else "what it logs" if module in ("metrics", "losses") else "the loop")
+            out[role] += lines
     return out
 
 
@@ -164,14 +184,17 @@ def one_iteration(algo: str):
     return run
 
 
-def report(title: str, counted: dict) -> None:
-    core = counted
-    world = [w for _, c in sorted(core.items()) for w in c["world_calls"]]  # by file, then in each file's order
-    print(f"{title}: {sum(c['lines'] for c in core.values())} lines in {len(core)} files "
-          f"({', '.join(m + ' ' + str(c['lines']) for m, c in sorted(core.items()))}); "
-          f"{sum(len(c['functions']) for c in core.values())} functions; data-parallel calls {len(world)}"
+def report(title: str, counted: dict, core: dict | None = None) -> None:
+    """One count's lines: the total with each file's share, then each file's functions; with `core` (the core
+    reader's path of the same --algo) the total's split by role (roles)."""
+    world = [w for _, c in sorted(counted.items()) for w in c["world_calls"]]  # by file, then in each file's order
+    print(f"{title}: {sum(c['lines'] for c in counted.values())} lines in {len(counted)} files "
+          f"({', '.join(m + ' ' + str(c['lines']) for m, c in sorted(counted.items()))}); "
+          f"{sum(len(c['functions']) for c in counted.values())} functions; data-parallel calls {len(world)}"
           f"{' (' + ', '.join(world) + ')' if world else ''}")
-    for m, c in sorted(core.items()):  # each function with its lines, so a reader sees where they go
+    if core is not None:
+        print("  by role: " + ", ".join(f"{role} {n}" for role, n in roles(counted, core).items()))
+    for m, c in sorted(counted.items()):  # each function with its lines, so a reader sees where they go
         print(f"  {m}: {', '.join(f'{name} {lines}' for name, lines in c['sizes'])}")
 
 
@@ -188,8 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     flags.parse(StepLinesArgs, __doc__, argv, program="python -m tools.step_lines")
     torch.set_num_threads(1)
     for algo in ("gspo", "dapo"):
-        report(f"one RL step of --algo {algo}, the core reader's path", measure(one_step(algo)))
-        report(f"one iteration of the loop, --algo {algo}, the whole path", measure(one_iteration(algo), whole=True))
+        core = measure(one_step(algo))
+        report(f"one RL step of --algo {algo}, the core reader's path", core)
+        report(f"one iteration of the loop, --algo {algo}, the whole path", measure(one_iteration(algo), whole=True),
+               core)
 
 
 if __name__ == "__main__":
