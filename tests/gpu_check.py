@@ -18,7 +18,8 @@ Every subprocess has a time limit (--timeout, seconds).
   memory      one update's measured peak (torch.cuda.max_memory_allocated; on a CPU the resident high-water mark)
               against tools/memory.py's estimate, within 10%: the default model (on a GPU) and a Qwen2.5-1.5B-shaped
               model built from its config (random weights; on a CPU 2 layers of Qwen2.5-0.5B's widths) with its
-              151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0 (--fast on a CPU: float32)
+              151,936-token vocabulary: full fine-tune, gradient checkpointing, LoRA, β > 0 (on a CPU, float32 under
+              --fast or without native bf16)
   on-policy   bf16: π_old recomputed in micro-batches of the size the update uses; the first optimizer step's ratio is
               exactly 1 on every token. Beside it (measured, no verdict): the fraction of sequences GSPO's 3e-4 range
               would clip at θ = θ_old when π_old is computed in micro-batches of another size;
@@ -29,7 +30,8 @@ Every subprocess has a time limit (--timeout, seconds).
               region (cast once): at most one cast per weight matrix, the same tokens, and on a GPU not slower
               (--fast: 16 new tokens)
   oom         a real out-of-memory error in the update (the process's memory capped: CUDA's memory fraction, on a CPU
-              its address space) is halved and the update completes, finite and unskipped (--fast on a CPU: float32)
+              its address space) is halved and the update completes, finite and unskipped (on a CPU, float32 under
+              --fast or without native bf16)
   bench       one tools.bench line (this project's RL step, bf16 where native): its FLOP/s against the matmul peak
               measured on the same device in the same precision, a fraction in (0, 1]
 Paste the verdicts into docs/speed.md with the date and the GPU's name.
@@ -230,16 +232,24 @@ def check_runs(c: Check) -> None:
                  metrics=str(path.relative_to(c.out)))
 
 
-def fast_cpu_dtype(c: Check) -> str:
-    """The precision of the checks over a 151,936-token head: the run's, but float32 under --fast on a CPU. Without
-    native bf16 (AVX2 only) the head's backward in bf16 takes ~10x longer (the memory worker: 202 s against 19 s
-    on a 2-core AMD EPYC, 2026-12-04), past the time the test suite gives the fast subset."""
-    return "float32" if c.fast and c.device == "cpu" else c.precision
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), as oneDNN reads it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without oneDNN: assume not
+        return False
+
+
+def head_dtype(c: Check) -> str:
+    """The precision of the checks over a 151,936-token head: the run's, but float32 on a CPU under --fast or without
+    native bf16 (native_cpu_bf16). Emulated, the head's backward in bf16 takes ~10x longer: the memory worker took
+    202 s against 19 s on a 2-core AVX2 AMD EPYC (2026-12-04), and past the 300 s --timeout there (2026-12-06)."""
+    return "float32" if c.device == "cpu" and (c.fast or not native_cpu_bf16()) else c.precision
 
 
 def check_memory(c: Check) -> None:
     """Each set-up in a process of its own (tools.memory's worker), so one peak does not include another's."""
-    dtype = fast_cpu_dtype(c)
+    dtype = head_dtype(c)
     default = default_model_config()
     if c.fast:
         cases = [("Qwen2-shaped, 2 small layers, vocab 151,936", "qwen2", dict(memory.SMALL_QWEN, hidden_size=128,
@@ -442,7 +452,7 @@ def check_oom(c: Check) -> None:
     """16 rows at once need ~16 x 512 x 151,936 x 7 bytes of logits (8.7 GB against a 4 GiB cap; --fast: 128
     tokens, 2.2 GB against 1 GiB); the cap leaves room for a few rows."""
     headroom, completion = (1.0, 128) if c.fast else (4.0, 512)
-    dtype = fast_cpu_dtype(c)
+    dtype = head_dtype(c)
     script = c.out / "runs" / "oom.py"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(OOM_SCRIPT)

@@ -81,6 +81,17 @@ def test_oom_and_bench_verdicts_can_fail():
     assert not gpu_check.bench_verdict(0, None)[0] and not gpu_check.bench_verdict(1, 0.4)[0]
 
 
+def test_the_head_checks_run_in_float32_on_a_cpu_without_native_bf16(monkeypatch, tmp_path):
+    """Emulated bf16 made the full CPU run's memory check time out (300 s on a 2-core AVX2 AMD EPYC): on a CPU the
+    151,936-token head's checks take float32 under --fast or without native bf16, else the run's precision."""
+    def head(device, fast, native):
+        monkeypatch.setattr(gpu_check, "native_cpu_bf16", lambda: native)
+        return gpu_check.head_dtype(gpu_check.Check(device, tmp_path, fast))
+    assert head("cpu", False, False) == "float32" and head("cpu", True, True) == "float32"
+    assert head("cpu", False, True) == "bfloat16"  # native (AVX512-BF16, AMX): the run's own precision
+    assert isinstance(gpu_check.native_cpu_bf16(), bool)
+
+
 @pytest.mark.slow
 def test_the_fast_subset_runs_to_its_summary_on_a_cpu(tmp_path):
     """The script end to end, as a GPU machine runs it, with --device cpu --fast: every check reports, the results
