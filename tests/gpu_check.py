@@ -233,7 +233,8 @@ def check_runs(c: Check) -> None:
 
 
 def native_cpu_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), as oneDNN reads it."""
+    """Whether oneDNN has bf16 kernels for this CPU (x86: AVX-512 or newer, or AVX2 with AVX-NE-CONVERT; ARM: bf16);
+    without them a bf16 matmul is converted to and from float32 around each op."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without oneDNN: assume not

@@ -88,7 +88,7 @@ def test_the_head_checks_run_in_float32_on_a_cpu_without_native_bf16(monkeypatch
         monkeypatch.setattr(gpu_check, "native_cpu_bf16", lambda: native)
         return gpu_check.head_dtype(gpu_check.Check(device, tmp_path, fast))
     assert head("cpu", False, False) == "float32" and head("cpu", True, True) == "float32"
-    assert head("cpu", False, True) == "bfloat16"  # native (AVX512-BF16, AMX): the run's own precision
+    assert head("cpu", False, True) == "bfloat16"  # oneDNN's bf16 kernels (AVX-512): the run's own precision
     assert isinstance(gpu_check.native_cpu_bf16(), bool)
 
 
