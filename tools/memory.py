@@ -381,6 +381,10 @@ def config_of(name: str) -> dict:
 
     from base import network
 
+    try:  # (an older transformers reads GGUF metadata differently)
+        models.require_transformers()
+    except models.ModelError as e:
+        raise EstimateError(str(e)) from None
     local = Path(name).expanduser()
     if local.suffix == ".gguf" and not local.is_file():
         raise EstimateError(f"{name}: no such file")

@@ -726,6 +726,37 @@ def test_lora_without_peft_is_one_line(tmp_path, capsys, tiny_policy_dir, monkey
             "--lora-rank needs the peft package: pip install peft")
 
 
+def test_a_transformers_older_than_the_floor_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """An environment that kept an older transformers (a preinstalled image, pip install --no-deps): one line naming
+    the floor, from train.py and from the memory estimate's GGUF reader, not what 4.56 gave after the warm start
+    (generate refusing token_type_ids)."""
+    from importlib import metadata
+
+    import model
+    from tools import memory
+
+    version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "4.56.2" if name == "transformers" else version(name))
+    out = tmp_path / "out"
+    message = "transformers 4.56.2 is older than this project's floor 5.17: upgrade it (pip install -U"
+    refused(["--output-dir", str(out)] + SMALL, capsys, out, message, seconds=5)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exc:
+        memory.main(["--model", str(tmp_path / "m.gguf")])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith(f"error: {message}")
+    model.require_transformers("5.17.0")  # the floor itself passes, the release before it does not
+    with pytest.raises(model.ModelError):
+        model.require_transformers("5.16.0")
+
+
+def test_the_transformers_floor_is_requirements_txts_and_this_environment_meets_it():
+    import model
+
+    text = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
+    assert re.search(r"^transformers>=([\d.]+)", text, re.M).group(1) == model.TRANSFORMERS_FLOOR
+    model.require_transformers()  # the installed release
+
+
 def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_path, tiny_policy_dir, capsys):
     """Tests call train.main in-process: a run, a refused flag and a failed start-up each restore SIGINT/SIGTERM."""
     import signal
