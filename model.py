@@ -240,22 +240,23 @@ def refuse_what_cannot_fit(name: str, device: torch.device, dtype: torch.dtype, 
 # transformers is imported inside the functions that use it: importing it takes seconds, and a refused flag or
 # --help should not wait for that (flags.py imports this module)
 
-TRANSFORMERS_FLOOR = "5.17"  # requirements.txt's floor: the oldest release the whole suite passed on (reliability.md)
+FLOORS = {"torch": "2.6", "transformers": "5.17"}  # the oldest releases that run (requirements.txt, reliability.md)
 
 
-def require_transformers(installed: str | None = None) -> None:
-    """A ModelError (one line) where the installed transformers is older than the floor: older releases fail late and
-    obscurely (4.x cannot read the embedded tokenizer, and its generate refuses token_type_ids; before 5.17 a GGUF
-    model does not save). Reads the package's metadata, not the package (importing it takes seconds)."""
+def require_releases(installed: dict[str, str] | None = None) -> None:
+    """A ModelError (one line) where torch or transformers is older than its floor: older releases fail late and
+    obscurely (transformers 5.17 turns a torch below 2.5 off; transformers 4.x cannot read the embedded tokenizer, and
+    its generate refuses token_type_ids; before 5.17 a GGUF model does not save). `installed` stands in for what is
+    installed, by name. Reads the packages' metadata, not the packages (importing transformers takes seconds)."""
     from importlib import metadata
 
     from packaging.version import Version
 
-    installed = installed or metadata.version("transformers")
-    if Version(installed) < Version(TRANSFORMERS_FLOOR):
-        raise ModelError(f"transformers {installed} is older than this project's floor {TRANSFORMERS_FLOOR}: "
-                         f"upgrade it (pip install -U 'transformers>={TRANSFORMERS_FLOOR}', or pip install -r "
-                         "requirements.txt)")
+    for name, floor in FLOORS.items():
+        version = (installed or {}).get(name) or metadata.version(name)
+        if Version(version) < Version(floor):
+            raise ModelError(f"{name} {version} is older than this project's floor {floor}: upgrade it (pip install -U "
+                             f"'{name}>={floor}', or pip install -r requirements.txt)")
 
 
 def quiet_transformers() -> None:

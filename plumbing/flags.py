@@ -371,7 +371,8 @@ def validate(args, world_size: int = 1) -> None:
 
 
 def check_fsdp(args) -> None:
-    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune, a torch with FSDP2; LoRA refused."""
+    """--fsdp where it is tested (ddp.shard): under torchrun, a full fine-tune, a torch with FSDP2 (on the CPU, 2.11 or
+    later); LoRA refused."""
     if not ddp.launched():
         raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
                           "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
@@ -380,6 +381,12 @@ def check_fsdp(args) -> None:
     except ImportError:
         raise ConfigError(f"--fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 or later); this is "
                           f"torch {torch.__version__}: upgrade torch, or drop --fsdp (data parallel)") from None
+    from packaging.version import Version
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and Version(torch.__version__.split("+")[0]) < Version("2.11"):  # (2.11 and 2.13 tested; 2.6 fails)
+        raise ConfigError(f"--fsdp on the CPU needs torch 2.11 or later (torch {torch.__version__}'s FSDP2 records "
+                          "events on a stream the CPU does not have); upgrade torch, or drop --fsdp (data parallel)")
     if args.lora_rank > 0:
         raise ConfigError("--fsdp does not work with --lora-rank (LoRA's adapters are small: use data parallel, "
                           "without --fsdp)")

@@ -1,8 +1,8 @@
 """A run's life: its folder, start-up, signals, out-of-memory, failed steps and the warnings that watch it.
 train.py calls these; none holds RL.
 
-    preflight(args, ...)    transformers' version, the flags (flags.py), the output folder, the run folder and the
-                            checkpoint --resume names
+    preflight(args, ...)    torch's and transformers' releases, the flags (flags.py), the output folder, the run
+                            folder and the checkpoint --resume names
     check_run_folder(...)   a finished run is never replaced; an unfinished one is resumed or replaced on request
     NewRunFolder            the folder start-up made is removed again if start-up fails, so the command can rerun
     Startup / GracefulStop  Ctrl-C or SIGTERM: during start-up, nothing is left behind; later, save and exit 0
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from model import require_transformers
+from model import require_releases
 from plumbing import checkpoint, ddp
 from plumbing import flags
 from base.errors import (ConfigError, DynamicSamplingError, Interrupted, NonFiniteError, OptimizerOutOfMemory,
@@ -41,9 +41,9 @@ SPAN_FREE_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")  # th
 
 def preflight(args, run_dir: Path, world_size: int = 1):
     """Everything that can be checked before a byte is loaded or written: the flags, the output folder, the run
-    folder (a finished run is never replaced) and the checkpoint --resume names; first, that transformers is not older
-    than the floor. Returns (checkpoint path, its state) or (None, None)."""
-    require_transformers()
+    folder (a finished run is never replaced) and the checkpoint --resume names; first, that torch and transformers
+    are not older than their floors. Returns (checkpoint path, its state) or (None, None)."""
+    require_releases()
     flags.validate(args, world_size)
     flags.check_writable(Path(args.output_dir))
     check_run_folder(run_dir, args.resume, args.overwrite)

@@ -382,7 +382,7 @@ def config_of(name: str) -> dict:
     from base import network
 
     try:  # (an older transformers reads GGUF metadata differently)
-        models.require_transformers()
+        models.require_releases()
     except models.ModelError as e:
         raise EstimateError(str(e)) from None
     local = Path(name).expanduser()

@@ -726,35 +726,38 @@ def test_lora_without_peft_is_one_line(tmp_path, capsys, tiny_policy_dir, monkey
             "--lora-rank needs the peft package: pip install peft")
 
 
-def test_a_transformers_older_than_the_floor_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
-    """An environment that kept an older transformers (a preinstalled image, pip install --no-deps): one line naming
-    the floor, from train.py and from the memory estimate's GGUF reader, not what 4.56 gave after the warm start
-    (generate refusing token_type_ids)."""
+@pytest.mark.parametrize("name, old", [("transformers", "4.56.2"), ("torch", "2.4.1")])
+def test_a_release_older_than_its_floor_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch, name, old):
+    """An environment that kept an older transformers or torch (a preinstalled image, pip install --no-deps): one line
+    naming the floor, from train.py and from the memory estimate's GGUF reader, not what they gave (transformers
+    4.56: generate refusing token_type_ids after the warm start; torch 2.4: transformers 5.17 turns torch off)."""
     from importlib import metadata
 
     import model
     from tools import memory
 
     version = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: "4.56.2" if name == "transformers" else version(name))
+    monkeypatch.setattr(metadata, "version", lambda package: old if package == name else version(package))
     out = tmp_path / "out"
-    message = "transformers 4.56.2 is older than this project's floor 5.17: upgrade it (pip install -U"
+    message = f"{name} {old} is older than this project's floor {model.FLOORS[name]}: upgrade it (pip install -U"
     refused(["--output-dir", str(out)] + SMALL, capsys, out, message, seconds=5)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(SystemExit) as exc:
         memory.main(["--model", str(tmp_path / "m.gguf")])
     assert exc.value.code == 2 and capsys.readouterr().err.startswith(f"error: {message}")
-    model.require_transformers("5.17.0")  # the floor itself passes, the release before it does not
-    with pytest.raises(model.ModelError):
-        model.require_transformers("5.16.0")
 
 
-def test_the_transformers_floor_is_requirements_txts_and_this_environment_meets_it():
+def test_the_floors_are_requirements_txts_and_this_environment_meets_them():
     import model
 
     text = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
-    assert re.search(r"^transformers>=([\d.]+)", text, re.M).group(1) == model.TRANSFORMERS_FLOOR
-    model.require_transformers()  # the installed release
+    assert re.search(r"^transformers>=([\d.]+)", text, re.M).group(1) == model.FLOORS["transformers"]
+    assert re.search(r"^torch==.*elsewhere torch >= ([\d.]+)", text, re.M).group(1) == model.FLOORS["torch"]
+    model.require_releases()  # the installed releases
+    model.require_releases({"transformers": "5.17.0", "torch": "2.6.0"})  # a floor itself passes
+    for name, before in (("transformers", "5.16.0"), ("torch", "2.5.1")):  # the release before it does not
+        with pytest.raises(model.ModelError, match=f"^{name} {before} is older"):
+            model.require_releases({name: before})
 
 
 def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_path, tiny_policy_dir, capsys):
@@ -862,3 +865,19 @@ def test_fsdp_on_a_torch_without_fsdp2_is_one_line(tmp_path, capsys, tiny_policy
     refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--fsdp"] + SMALL, capsys, out,
             "--fsdp needs FSDP2")
     assert not out.exists()
+
+
+def test_fsdp_on_the_cpu_with_a_torch_before_2_11_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
+    """torch 2.6's FSDP2 has fully_shard but fails on the CPU at its first gather (a CPU stream has no record_event;
+    docs/reliability.md): refused before anything loads. On a GPU it is not refused."""
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    out = tmp_path / "out"
+    refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--fsdp", "--device", "cpu"] + SMALL, capsys,
+            out, "--fsdp on the CPU needs torch 2.11 or later (torch 2.6.0+cu124's FSDP2")
+    from plumbing import flags
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    flags.check_fsdp(train.Args(fsdp=True, device="cuda"))  # a GPU: FSDP2 from 2.6
