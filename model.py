@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -253,7 +254,13 @@ def require_releases(installed: dict[str, str] | None = None) -> None:
     from packaging.version import Version
 
     for name, floor in FLOORS.items():
-        version = (installed or {}).get(name) or metadata.version(name)
+        try:
+            version = (installed or {}).get(name) or metadata.version(name)
+        except metadata.PackageNotFoundError:  # no metadata (a folder on the path): the package's own, or none
+            try:
+                version = importlib.import_module(name).__version__
+            except ImportError:
+                raise ModelError(f"{name} is not installed: pip install -r requirements.txt") from None
         if Version(version) < Version(floor):
             raise ModelError(f"{name} {version} is older than this project's floor {floor}: upgrade it (pip install -U "
                              f"'{name}>={floor}', or pip install -r requirements.txt)")

@@ -377,14 +377,14 @@ def shape_of(path: str) -> Shape:
 
 def config_of(name: str) -> dict:
     """The config of a .gguf file (its metadata, through transformers) or of a hub id (its config.json alone)."""
-    from transformers import AutoConfig
-
-    from base import network
-
     try:  # (an older transformers reads GGUF metadata differently)
         models.require_releases()
     except models.ModelError as e:
         raise EstimateError(str(e)) from None
+    from transformers import AutoConfig
+
+    from base import network
+
     local = Path(name).expanduser()
     if local.suffix == ".gguf" and not local.is_file():
         raise EstimateError(f"{name}: no such file")

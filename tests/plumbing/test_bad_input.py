@@ -760,6 +760,30 @@ def test_the_floors_are_requirements_txts_and_this_environment_meets_them():
             model.require_releases({name: before})
 
 
+def test_a_release_without_metadata_is_read_from_the_package_and_a_missing_one_is_one_line(monkeypatch):
+    import sys
+    from importlib import metadata
+
+    import transformers
+
+    import model
+
+    version = metadata.version
+
+    def without_metadata(package):
+        if package == "transformers":
+            raise metadata.PackageNotFoundError(package)
+        return version(package)
+
+    monkeypatch.setattr(metadata, "version", without_metadata)
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    with pytest.raises(model.ModelError, match="^transformers 4.56.2 is older than this project's floor"):
+        model.require_releases()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # importing it fails, as where it is not installed
+    with pytest.raises(model.ModelError, match="^transformers is not installed: pip install -r requirements.txt"):
+        model.require_releases()
+
+
 def test_train_main_in_process_leaves_the_signal_handlers_as_it_found_them(tmp_path, tiny_policy_dir, capsys):
     """Tests call train.main in-process: a run, a refused flag and a failed start-up each restore SIGINT/SIGTERM."""
     import signal
