@@ -383,8 +383,8 @@ def check_fsdp(args) -> None:
                           f"torch {torch.__version__}: upgrade torch, or drop --fsdp (data parallel)") from None
     from packaging.version import Version
 
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and Version(torch.__version__.split("+")[0]) < Version("2.11"):  # (2.11 and 2.13 tested; 2.6 fails)
+    on_cpu = models.pick_device(args.device).type == "cpu"
+    if on_cpu and Version(torch.__version__) < Version("2.11"):  # (2.11 and 2.13 tested; 2.6 fails)
         raise ConfigError(f"--fsdp on the CPU needs torch 2.11 or later (torch {torch.__version__}'s FSDP2 records "
                           "events on a stream the CPU does not have); upgrade torch, or drop --fsdp (data parallel)")
     if args.lora_rank > 0:
