@@ -377,10 +377,11 @@ def check_fsdp(args) -> None:
         raise ConfigError("--fsdp shards the model over torchrun's processes: run it as torchrun --nproc-per-node N "
                           "train.py --fsdp ... (one process needs no sharding; drop --fsdp)")
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401  FSDP2, public from torch 2.6
-    except ImportError:
-        raise ConfigError(f"--fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6 or later); this is "
-                          f"torch {torch.__version__}: upgrade torch, or drop --fsdp (data parallel)") from None
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  FSDP2 (an older torch is refused before this)
+    except ImportError:  # a build of torch without torch.distributed
+        raise ConfigError(f"--fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard), which this torch "
+                          f"{torch.__version__} lacks (built without torch.distributed?): install a torch build with "
+                          "distributed support, or drop --fsdp") from None
     from packaging.version import Version
 
     on_cpu = models.pick_device(args.device).type == "cpu"

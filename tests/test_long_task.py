@@ -98,6 +98,6 @@ def test_warm_start_lands_in_the_accuracy_window():
     greedy = np.mean(train.sample(policy, tokenizer, test_set, args, greedy=True).scores["correct"])
     assert 0.15 <= greedy <= 0.50, greedy
     torch.manual_seed(0)
-    rows = [ex for ex in train_set[::20] for _ in range(8)]
-    correct = np.array(train.sample(policy, tokenizer, rows, args).scores["correct"]).reshape(-1, 8)
+    rows = [ex for ex in train_set[::40] for _ in range(8)]  # 12 groups (24 measured 0.96 mixed, 12 1.0, in a fifth
+    correct = np.array(train.sample(policy, tokenizer, rows, args).scores["correct"]).reshape(-1, 8)  # of the time)
     assert (correct.max(1) != correct.min(1)).mean() >= 0.3  # groups with mixed rewards: a learning signal

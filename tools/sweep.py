@@ -377,6 +377,12 @@ def detail_tables(runs: list[dict]) -> list[str]:
     return out
 
 
+def legend(ax) -> None:
+    """A legend where the panel has labelled lines (one with no data has none: e.g. no completion was correct)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
 def save_figure(fig, path: Path) -> int:
     """Save and close a figure; returns how many data points its lines carry (0 means an empty plot). Step axes get
     whole-number ticks (a short sweep's would read 0.25 steps) and legends long enough samples to show each line
@@ -483,7 +489,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         mean_band(axes[1], rs, "charts/reward", group_label(*g), **styles[g])
     axes[0].set(title="held-out greedy accuracy", xlabel="step", ylabel="accuracy")
     axes[1].set(title="train reward", xlabel="step", ylabel="mean reward")
-    axes[0].legend(fontsize=7)
+    legend(axes[0])
     points["accuracy"] = save_figure(fig, out / "accuracy.png")
 
     # 2. the seeds' claim: std of the unnormalised sequence log-ratio and of GSPO's log s_i, per length bucket
@@ -502,7 +508,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
             ref = y0 * (x / np.exp(np.log(x).mean())) ** power
             ax.loglog(x, ref, "k--", lw=1, label=f"∝ {name}")
         ax.set(xlabel="response length (tokens, bucket mean)")
-        ax.legend(fontsize=7)
+        legend(ax)
     axes[0].set(title="std of Σ_t log ρ_t (unnormalised sequence log-ratio)")
     axes[1].set(title="std of log s_i (GSPO, length-normalised)")
     points["length_buckets"] = save_figure(fig, out / "length_buckets.png")
@@ -516,7 +522,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
     axes[0].set(title="clip fraction of the trained objective", xlabel="step", yscale="log")
     axes[1].set(title="shadow clip fractions (all runs' batches)", xlabel="step", yscale="log")
     for ax in axes:
-        ax.legend(fontsize=7)
+        legend(ax)
     points["clip"] = save_figure(fig, out / "clip.png")
 
     # 4. response length of correct and incorrect completions
@@ -526,7 +532,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         mean_band(axes[1], rs, "charts/len_incorrect", group_label(*g), **styles[g])
     axes[0].set(title="mean length, correct completions", xlabel="step", ylabel="tokens")
     axes[1].set(title="mean length, incorrect completions", xlabel="step")
-    axes[0].legend(fontsize=7)
+    legend(axes[0] if axes[0].get_lines() else axes[1])  # (before any correct completion, the left panel is empty)
     points["lengths"] = save_figure(fig, out / "lengths.png")
 
     rows = summary_rows(runs, threshold)

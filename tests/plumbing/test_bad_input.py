@@ -880,14 +880,15 @@ def test_checkpoint_tool_help_is_its_usage_not_an_error(capsys):
 
 
 def test_fsdp_on_a_torch_without_fsdp2_is_one_line(tmp_path, capsys, tiny_policy_dir, monkeypatch):
-    """--fsdp under torchrun on a torch without FSDP2's fully_shard (before 2.6): refused before anything loads."""
+    """--fsdp under torchrun on a torch without FSDP2's fully_shard (a build without torch.distributed; a release
+    before 2.6 is refused earlier, by model.require_releases): refused before anything loads."""
     import torch.distributed.fsdp
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it (no process group is joined before the checks)
     monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
     out = tmp_path / "out"
     refused(["--model", str(tiny_policy_dir), "--output-dir", str(out), "--fsdp"] + SMALL, capsys, out,
-            "--fsdp needs FSDP2")
+            "--fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard), which this torch")
     assert not out.exists()
 
 

@@ -299,8 +299,8 @@ def wait_until(ready, every: float = 0.05, seconds: float = 120.0) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir, lora):
-    argv = ["--model", str(tiny_policy_dir), "--total-steps", "24", "--save-every", "2", "--algo", "dapo",
-            "--max-sampling-rounds", "30"] + SMALL + lora
+    argv = ["--model", str(tiny_policy_dir), "--total-steps", "16", "--save-every", "2", "--algo", "dapo",
+            "--max-sampling-rounds", "30"] + SMALL + lora  # the kill: within a second of step 2's checkpoint
     reference = spawn(argv, tmp_path / "ref")
     victim = spawn(argv, tmp_path / "kill")
     name = "dapo-lora4-s0" if lora else "dapo-s0"

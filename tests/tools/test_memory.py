@@ -162,11 +162,15 @@ def test_the_activation_estimate_is_what_autograd_saves(setup, autocast):
 
 
 @pytest.mark.slow
-def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
+def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path, capsys):
     """Issue 50.2: a hub id with no hub, a .gguf that is not there, a LoRA run's final/, a folder without a config,
-    a config without the decoder's numbers, a negative budget: each one `error:` line and exit 2, no traceback."""
+    a config without the decoder's numbers, a negative budget: each one `error:` line and exit 2, no traceback. The
+    two that would ask the hub run as the command does, offline; the rest call its main in this process."""
+    import os
     import subprocess
     import sys
+
+    from tools import memory
 
     adapter = tmp_path / "final"
     adapter.mkdir()
@@ -176,8 +180,13 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    asks_the_hub = [(["--model", str(adapter)], "cannot read the config of Qwen/Qwen2.5-1.5B"),  # its base
+                    (["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model")]
+    for argv, message in asks_the_hub:
+        out = subprocess.run([sys.executable, "-m", "tools.memory", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
     cases = [(["--model", str(tmp_path / "missing.gguf")], "no such file"),
-             (["--model", str(adapter)], "cannot read the config of Qwen/Qwen2.5-1.5B"),  # its base, with no hub
              (["--model", str(tmp_path / "empty")], "has no config.json"),
              (["--model", str(tmp_path / "odd")], "has no num_hidden_layers"),
              (["--model", str(tmp_path / "model"), "--max-new-tokens", "-3"], "--max-new-tokens -3: must be at least 1"),
@@ -186,12 +195,12 @@ def test_memory_for_a_model_it_cannot_read_is_one_line(tmp_path):
              (["--model", str(tmp_path / "model"), "--fsdp", "2", "--lora-rank", "8"], "train.py refuses it"),
              (["--model", str(tmp_path / "model"), "--fsdp", "3"], "--num-prompts 16 over 3 processes"),
              (["--measure", "--fsdp", "2", "--device", "cuda"], "CPU processes (gloo) only")]
-    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
-    cases.append((["--model", "nobody/no-such-model"], "cannot read the config of nobody/no-such-model"))
     for argv, message in cases:
-        out = subprocess.run([sys.executable, "-m", "tools.memory", *argv], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120, env=env)
-        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
+        with pytest.raises(SystemExit) as exit_:
+            memory.main(argv)
+        captured = capsys.readouterr()
+        assert exit_.value.code == 2 and message in captured.err and captured.err.count("\n") == 1, (argv, captured)
+        assert captured.out == "", (argv, captured.out)
 
 
 def test_the_fsdp_estimate_splits_the_state_but_not_the_gathered_copies(tiny_policy_dir):
