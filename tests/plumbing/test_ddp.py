@@ -5,7 +5,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import train
 from plumbing import checkpoint
 from conftest import TORCHRUN_SMALL as SMALL, final_weights, finish, metrics_without_timing, torchrun
 
@@ -68,11 +68,8 @@ def test_two_processes_train_evaluate_and_write_once(tmp_path, tiny_policy_dir):
         assert [a["problem"] for a in mine] == list(range(40))
         assert sum(a["correct"] for a in mine) / 40 == pytest.approx(m["eval/accuracy"])
     assert (run / "final" / "model.safetensors").is_file() and (run / "summary.json").is_file()
-    one = subprocess.run([sys.executable, "train.py", *argv[:-len(small) - 2], "--output-dir", str(tmp_path / "one"),
-                          "--total-steps", "1", *small], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert one.returncode == 0, one.stderr[-2000:]
-    first = metrics_without_timing(tmp_path / "one" / "dapo-s0")[0]
+    train.main([*argv[:-len(small) - 2], "--output-dir", str(tmp_path / "one"), "--total-steps", "1", *small])
+    first = metrics_without_timing(tmp_path / "one" / "dapo-s0")[0]  # (one process: this one, one thread)
     assert first["eval/accuracy"] == rows[0]["eval/accuracy"]  # the same greedy answers, counted on two ranks
     assert first["eval/reward"] == pytest.approx(rows[0]["eval/reward"], rel=1e-12)  # summed in another order
 
@@ -84,14 +81,12 @@ def test_one_process_under_torchrun_is_the_plain_run(tmp_path, tiny_policy_dir):
             "--max-sampling-rounds", "30", "--no-save-model"] + SMALL
     code, out, err = finish(torchrun(1, "train.py", argv + ["--output-dir", str(tmp_path / "torchrun")]))
     assert code == 0, err[-3000:]
-    plain = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "plain")], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    train.main([*argv, "--output-dir", str(tmp_path / "plain")])  # `python train.py`, in this process (one thread)
     assert metrics_without_timing(tmp_path / "torchrun" / "dapo-s0") == \
         metrics_without_timing(tmp_path / "plain" / "dapo-s0")
 
 
-def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir):
+def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, tiny_policy_dir, capsys):
     argv = ["--model", str(tiny_policy_dir), "--algo", "grpo", "--total-steps", "12", "--save-every", "2",
             "--eval-every", "6"] + SMALL  # the kill lands within a second of step 2's checkpoint: steps 2-4
     code, _, err = finish(torchrun(2, "train.py", argv + ["--output-dir", str(tmp_path / "ref")]))
@@ -114,12 +109,13 @@ def test_two_process_resume_after_sigkill_matches_uninterrupted_run(tmp_path, ti
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics_without_timing(ref) == metrics_without_timing(kill)
     # the checkpoint holds both ranks' RNG streams: one process cannot continue it exactly, and says so
-    one = subprocess.run([sys.executable, "train.py", *argv, "--output-dir", str(tmp_path / "kill"), "--resume",
-                          str(checkpoint.all_checkpoints(kill / "checkpoints")[-1]), "--run-name", "again"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 2 and "written by 2 processes" in one.stderr
-    assert "torchrun --nproc-per-node 2" in one.stderr
-    assert len(one.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as one:
+        train.main([*argv, "--output-dir", str(tmp_path / "kill"), "--resume",
+                    str(checkpoint.all_checkpoints(kill / "checkpoints")[-1]), "--run-name", "again"])
+    err = capsys.readouterr().err
+    assert one.value.code == 2 and "written by 2 processes" in err
+    assert "torchrun --nproc-per-node 2" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def error_lines(err: str) -> list[str]:
