@@ -98,15 +98,17 @@ def test_the_top_level_holds_the_design():
 
 @pytest.mark.slow
 def test_the_readme_quotes_the_lines_one_rl_step_reads():
-    """tools/step_lines.py runs one default step and counts the core lines it executes, and one iteration of the
-    loop followed the whole way; the README's reading order quotes both, which must be the measured ones (no gate on
-    the counts themselves: code is never moved to meet one)."""
+    """tools/step_lines.py runs two steps of the default run and of DAPO and counts, from each run, the core lines
+    the first step executes and the first iteration of the loop followed the whole way; the README's reading order
+    quotes both, which must be the measured ones (no gate on the counts themselves: code is never moved to meet one)."""
     from tools import step_lines
 
-    counted = step_lines.measure(step_lines.one_step("gspo"))
+    (counted, whole_gspo), (counted_dapo, whole_dapo) = step_lines.both_paths("gspo"), step_lines.both_paths("dapo")
     assert set(counted) <= {"train", "rollout", "rewards", "losses"}, set(counted)
     assert "policy_loss" in counted["losses"]["functions"] and "generate" in counted["rollout"]["functions"]
-    whole = {a: step_lines.measure(step_lines.one_iteration(a), whole=True) for a in ("gspo", "dapo")}
+    assert "dynamic_sampling" in counted_dapo["train"]["functions"] and "ratio_diagnostics" in whole_gspo["losses"][
+        "functions"] and "ratio_diagnostics" not in counted["losses"]["functions"]  # the logs' own calls: whole only
+    whole = {"gspo": whole_gspo, "dapo": whole_dapo}
     lines_and_files = {a: (sum(c["lines"] for c in w.values()), len(w)) for a, w in whole.items()}
     # the README's reading order quotes these numbers: they are the measured ones
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -121,7 +123,7 @@ def test_the_readme_quotes_the_lines_one_rl_step_reads():
     quoted = (f"**{sum(lines.values())} lines of these four files** (train {lines['train']}, rollout {lines['rollout']}, "
               f"losses {lines['losses']}, rewards {lines['rewards']}; ")
     assert quoted in readme, quoted
-    dapo = sum(c["lines"] for c in step_lines.measure(step_lines.one_step("dapo")).values())
+    dapo = sum(c["lines"] for c in counted_dapo.values())
     assert f"; {dapo} with DAPO's dynamic sampling)" in readme, dapo
 
 
@@ -151,3 +153,34 @@ def test_the_folders_maps_name_what_is_there():
         first_columns = re.findall(r"^ {4}(\S.*?)\s{2,}\S", module.__doc__, re.M)
         named = [t for col in first_columns for t in re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", col))]
         assert len(named) >= 5 and not [t for t in named if not hasattr(module, t)], (name, named)
+
+
+def test_each_slow_test_has_its_measured_seconds(request):
+    """tests/slow_seconds.json orders the slow tests, longest first, and deals them out to xdist's workers
+    (conftest.py): every slow test collected has its seconds there, and every entry names a test that exists."""
+    import json
+
+    from conftest import SLOW_SECONDS
+
+    seconds = json.loads(SLOW_SECONDS.read_text())
+    missing = [item.nodeid for item in request.session.items
+               if item.get_closest_marker("slow") and item.nodeid not in seconds]
+    assert not missing, f"not measured: python -m pytest -q --record-slow-seconds {' '.join(missing)}"
+    for nodeid in seconds:
+        path, name = nodeid.split("::")[0], nodeid.split("::")[-1].split("[")[0]
+        assert (ROOT / path).is_file() and f"def {name}(" in (ROOT / path).read_text(), f"no such test: {nodeid}"
+
+
+def test_the_slow_tests_are_dealt_out_longest_first_and_the_quick_ones_fill_each_share():
+    """conftest.deal: one share per worker, in xdist's sizes; each slow test, longest first (one not measured first
+    of all), to the share with the fewest seconds; the quick ones in order at each share's end."""
+    from conftest import deal
+
+    slow, quick = ["a", "b", "c", "d"], [f"q{i}" for i in range(6)]
+    seconds = {"a": 10.0, "b": 100.0, "c": 50.0, "d": None}
+    assert deal(slow, quick, seconds, 1) == ["d", "b", "c", "a"] + quick
+    assert deal(slow, quick, seconds, 2) == ["d", "q0", "q1", "q2", "q3", "b", "c", "a", "q4", "q5"]
+    seconds["d"] = 40.0
+    assert deal(slow, quick, seconds, 2) == ["b", "q0", "q1", "q2", "q3", "c", "d", "a", "q4", "q5"]
+    assert deal(slow, quick[:1], seconds, 2) == ["b", "q0", "c", "d", "a"]  # shares of 2 and 3
+    assert deal(slow, [], seconds, 2) == ["b", "c", "d", "a"]  # a share too small for its slow tests: longest first

@@ -1,10 +1,11 @@
 """How many lines a reader follows through one RL step: `python -m tools.step_lines` (a minute or two on a CPU).
 
-Measured by running it, two ways, for `--algo gspo` (the default task, embedded model, seed 0) and for dapo:
-  the core reader's path   one step (train.rl_step) under a profiler hook: every function of the core files (train,
-                           rollout, rewards, losses, model, task) that core code calls. metrics.py (what the step
-                           logs), plumbing/ and base/ change nothing learned and are not followed.
-  the whole path           one iteration of train.py's loop, from the first rl_step to the second: every function of
+Measured by running `train.py --total-steps 2` under a profiler hook (`traced`), for `--algo gspo` (the default
+task, embedded model, seed 0) and for dapo, two ways at once:
+  the core reader's path   the first step (train.rl_step): every function of the core files (train, rollout, rewards,
+                           losses, model, task) that core code calls. metrics.py (what the step logs), plumbing/ and
+                           base/ change nothing learned and are not followed.
+  the whole path           the first iteration of the loop, from the first rl_step to the second: every function of
                            the project that runs, whoever calls it (plumbing, the logged metrics, the loop itself).
 Each function counts with all its lines (signature, docstring, comments; a nested function is part of the one around
 it; a method counts alone, not its class), once. Class bodies that only declare fields (Args, Batch, Rollout's
@@ -41,80 +42,68 @@ def top_level_spans(path: Path) -> list[tuple[int, int, ast.AST]]:
     return spans
 
 
-def every_function(run) -> set[tuple[Path, int]]:
-    """(file, first line of its code object) of every function of this repository (tests and this file aside) that
-    runs in the first iteration of the loop run() runs, from the first call of train.rl_step to the second (the
-    step, its metrics, its log line, its checks and checkpoint decision), whoever calls it, and the loop around it:
-    the whole path, as a reader who follows every call reads it."""
-    seen, steps = set(), []
+def traced(run) -> tuple[set[tuple[Path, int]], set[tuple[Path, int]]]:
+    """Run `run` (one_iteration) under one profiler hook and return (file, first line of its code object) of the
+    functions of two paths through the first iteration of its loop, from the first call of train.rl_step to the
+    second:
+      the core reader's path  every core function (CORE_FILES) that runs inside that first rl_step called by the
+                              step's own code: the nearest caller of this repository (torch's decorators in between
+                              are not) is on the path too, or it is nested in a function on the path (update's
+                              loss_of). A core function that only plumbing calls (losses.ratio_diagnostics, for the
+                              logs) is not on it.
+      the whole path          every function of this repository (tests and this file aside) that runs, whoever calls
+                              it (the step, its metrics, its log line, its checks and checkpoint decision), and the
+                              loop around it: as a reader who follows every call reads it."""
+    core, whole, steps = set(), set(), []
+    on_path, top_level = set(), set()  # ids of the live frames on the core path; (file, name) of its top-level ones
+    train_py, this_file = str(ROOT / "train.py"), Path(__file__)
+
+    @functools.cache
+    def in_repo(filename: str) -> bool:  # (cached: the hook sees every call torch and transformers make in Python)
+        path = Path(filename)
+        return path.is_relative_to(ROOT) and "tests" not in path.parts
 
     def hook(frame, event, arg):
+        if event == "return":
+            on_path.discard(id(frame))
         if event != "call":
             return
-        path = Path(frame.f_code.co_filename)
-        if frame.f_code.co_name == "rl_step" and path == ROOT / "train.py":
+        code = frame.f_code
+        if code.co_name == "rl_step" and code.co_filename == train_py:
             steps.append(1)
-            caller = frame.f_back  # the loop around it (train.train) is on the path too
+            caller = frame.f_back  # the loop around it (train.train) is on the whole path too
             while len(steps) == 1 and caller is not None:
-                if ours(Path(caller.f_code.co_filename)):
-                    seen.add((Path(caller.f_code.co_filename), caller.f_code.co_firstlineno))
+                if in_repo(caller.f_code.co_filename) and Path(caller.f_code.co_filename) != this_file:
+                    whole.add((Path(caller.f_code.co_filename), caller.f_code.co_firstlineno))
                 caller = caller.f_back
-        if len(steps) == 1 and ours(path):
-            seen.add((path, frame.f_code.co_firstlineno))
-
-    def ours(path: Path) -> bool:
-        return path.is_relative_to(ROOT) and "tests" not in path.parts and path != Path(__file__)
+        if len(steps) != 1 or not in_repo(code.co_filename):  # (outside the first iteration: nothing to count)
+            return
+        path = Path(code.co_filename)
+        if path != this_file:
+            whole.add((path, code.co_firstlineno))
+        caller = frame.f_back
+        while caller is not None and not in_repo(caller.f_code.co_filename):
+            caller = caller.f_back
+        closure = "<locals>" in code.co_qualname and (path, code.co_qualname.split(".<locals>")[0]) in top_level
+        if code.co_name == "rl_step" or (caller is not None and id(caller) in on_path) or closure:
+            if code.co_filename in CORE_FILES:
+                on_path.add(id(frame))
+                core.add((path, code.co_firstlineno))
+                if "<locals>" not in code.co_qualname:
+                    top_level.add((path, code.co_qualname))
 
     sys.setprofile(hook)
     try:
         run()
     finally:
         sys.setprofile(None)
-    return seen
+    return core, whole
 
 
-def executed_functions(step) -> set[tuple[Path, int]]:
-    """(file, first line of its code object) of every core function that runs inside step() on the reader's path:
-    called by step's own code, i.e. the nearest caller of this repository (torch's decorators in between are not)
-    is on the path too, or a function nested in one on the path (update's loss, which plumbing/accumulate.py calls
-    back). A core function that only plumbing calls (losses.ratio_diagnostics, for the logs) is not."""
-    seen, on_path = set(), set()  # ids of the live frames on the path
-
-    def in_repo(frame):
-        path = Path(frame.f_code.co_filename)
-        return path.is_relative_to(ROOT) and "tests" not in path.parts
-
-    def hook(frame, event, arg):
-        if event == "return":
-            on_path.discard(id(frame))
-        if event != "call" or not in_repo(frame):
-            return
-        caller = frame.f_back
-        while caller is not None and not in_repo(caller):
-            caller = caller.f_back
-        closure = "<locals>" in frame.f_code.co_qualname and (Path(frame.f_code.co_filename), frame.f_code.co_qualname
-                                                               .split(".<locals>")[0]) in top_level
-        if frame.f_code.co_name == "rl_step" or (caller is not None and id(caller) in on_path) or closure:
-            if frame.f_code.co_filename in CORE_FILES:
-                on_path.add(id(frame))
-                seen.add((Path(frame.f_code.co_filename), frame.f_code.co_firstlineno))
-                if "<locals>" not in frame.f_code.co_qualname:
-                    top_level.add((Path(frame.f_code.co_filename), frame.f_code.co_qualname))
-
-    top_level = set()  # (file, qualified name) of the top-level functions on the path
-    sys.setprofile(hook)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return seen
-
-
-def measure(step, whole: bool = False) -> dict:
-    """Lines per file of the functions that ran (a nested function's lines belong to the one around it): those on
-    the core reader's path (executed_functions), or with `whole` every one (every_function)."""
+def measure(functions: set[tuple[Path, int]]) -> dict:
+    """Lines per file of the functions that ran (a nested function's lines belong to the one around it)."""
     runs_in = defaultdict(set)  # file -> the top-level functions/methods that ran (by their first line)
-    for path, line in (every_function if whole else executed_functions)(step):
+    for path, line in functions:
         for first, last, node in top_level_spans(path):
             if first <= line <= last:
                 runs_in[path].add((first, last, node))
@@ -130,6 +119,12 @@ def measure(step, whole: bool = False) -> dict:
                      "sizes": [(n.name, last - first + 1) for first, last, n in spans],  # in the file's order
                      "firsts": {first: last - first + 1 for first, last, _ in spans}}  # first line -> lines
     return out
+
+
+def both_paths(algo: str) -> tuple[dict, dict]:
+    """The core reader's path and the whole path of `--algo ALGO`, counted (measure) from one run."""
+    core, whole = traced(one_iteration(algo))
+    return measure(core), measure(whole)
 
 
 ROLES = ("the step", "what it logs", "the loop", "plumbing")
@@ -148,26 +143,6 @@ def roles(whole: dict, core: dict) -> dict[str, int]:
                     else "what it logs" if module in ("metrics", "losses") else "the loop")
             out[role] += lines
     return out
-
-
-def one_step(algo: str):
-    """A function that runs one RL step of `python train.py --algo ALGO` from its warm start."""
-    import torch
-    from transformers import get_scheduler
-
-    import train
-    from plumbing import run as runs
-
-    args, cfg = runs.resolve(train.Args(algo=algo, wandb_mode="disabled"))
-    runs.seed_everything(args.seed)
-    policy, tokenizer = runs.load_policy(args)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=args.total_steps * args.num_minibatches)
-    stream, gen = runs.PromptStream(runs.load_data(args)[0], args.seed), torch.Generator().manual_seed(args.seed)
-    pi_old = train.pi_old_source(args.num_minibatches, args.num_epochs, args.old_logprobs, args.rollout_correction,
-                                 torch.float32)  # as train.train decides it once, before the first step
-    return lambda: train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, cfg, args, gen, pi_old=pi_old)
 
 
 def one_iteration(algo: str):
@@ -211,10 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     flags.parse(StepLinesArgs, __doc__, argv, program="python -m tools.step_lines")
     torch.set_num_threads(1)
     for algo in ("gspo", "dapo"):
-        core = measure(one_step(algo))
+        core, whole = both_paths(algo)
         report(f"one RL step of --algo {algo}, the core reader's path", core)
-        report(f"one iteration of the loop, --algo {algo}, the whole path", measure(one_iteration(algo), whole=True),
-               core)
+        report(f"one iteration of the loop, --algo {algo}, the whole path", whole, core)
 
 
 if __name__ == "__main__":
