@@ -156,8 +156,8 @@ def test_the_folders_maps_name_what_is_there():
 
 
 def test_each_slow_test_has_its_measured_seconds(request):
-    """tests/slow_seconds.json orders the slow tests, longest first, and deals them out to xdist's workers
-    (conftest.py): every slow test collected has its seconds there, and every entry names a test that exists."""
+    """tests/slow_seconds.json orders the slow tests, longest first (conftest.py): every slow test collected has its
+    seconds there, and every entry names a test that exists."""
     import json
 
     from conftest import SLOW_SECONDS
@@ -171,16 +171,11 @@ def test_each_slow_test_has_its_measured_seconds(request):
         assert (ROOT / path).is_file() and f"def {name}(" in (ROOT / path).read_text(), f"no such test: {nodeid}"
 
 
-def test_the_slow_tests_are_dealt_out_longest_first_and_the_quick_ones_fill_each_share():
-    """conftest.deal: one share per worker, in xdist's sizes; each slow test, longest first (one not measured first
-    of all), to the share with the fewest seconds; the quick ones in order at each share's end."""
-    from conftest import deal
+def test_the_slow_tests_run_first_longest_first():
+    """conftest.run_order: the slow tests before the quick ones, longest first by their measured seconds (one not
+    measured first of all), ties and the quick ones in their files' order."""
+    from conftest import run_order
 
-    slow, quick = ["a", "b", "c", "d"], [f"q{i}" for i in range(6)]
-    seconds = {"a": 10.0, "b": 100.0, "c": 50.0, "d": None}
-    assert deal(slow, quick, seconds, 1) == ["d", "b", "c", "a"] + quick
-    assert deal(slow, quick, seconds, 2) == ["d", "q0", "q1", "q2", "q3", "b", "c", "a", "q4", "q5"]
-    seconds["d"] = 40.0
-    assert deal(slow, quick, seconds, 2) == ["b", "q0", "q1", "q2", "q3", "c", "d", "a", "q4", "q5"]
-    assert deal(slow, quick[:1], seconds, 2) == ["b", "q0", "c", "d", "a"]  # shares of 2 and 3
-    assert deal(slow, [], seconds, 2) == ["b", "c", "d", "a"]  # a share too small for its slow tests: longest first
+    items = ["q0", "a", "q1", "b", "c", "d", "q2", "e"]
+    seconds = {"a": 10.0, "b": 100.0, "c": 50.0, "e": 50.0}
+    assert run_order(items, lambda i: not i.startswith("q"), seconds) == ["d", "b", "c", "e", "a", "q0", "q1", "q2"]
