@@ -57,58 +57,14 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(lora if lora.is_file() else run_dir / "final" / "model.safetensors")
 
 
-SLOW_SECONDS = Path(__file__).parent / "slow_seconds.json"  # each slow test's seconds, as last measured
-
-
-def pytest_addoption(parser):
-    parser.addoption("--record-slow-seconds", action="store_true",
-                     help=f"write the seconds of each slow test that ran (its call) into {SLOW_SECONDS.name}, "
-                          "keeping the others' entries")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first, longest first (run_order), then the quick ones."""
-    seconds = json.loads(SLOW_SECONDS.read_text()) if SLOW_SECONDS.is_file() else {}
-    items[:] = run_order(items, lambda item: item.get_closest_marker("slow") is not None, seconds)
-
-
-def run_order(items: list, is_slow, seconds: dict) -> list:
-    """The slow tests first, longest first by their measured seconds (keyed by node id; one not measured yet counts as
-    the longest), then the quick ones, each kind in its files' order otherwise. Under -n 2, xdist's worksteal hands
-    each worker one half of this list, and a worker that runs out takes the back half of the other's queue: one
-    works through the long tests while the other runs quick ones, then takes slow ones from the short end, so neither
-    is left alone at the end with a long test (measured before, with the slow tests in their files' order: the full
-    suite on 2 cores lost 34 s of its 878 that way). Dealing the long tests to both workers at once was measured once
-    too (838 s against 809 s, within this machine's spread) and not kept."""
-    def key(item):
-        node = getattr(item, "nodeid", item)
-        return (0, -seconds.get(node, float("inf"))) if is_slow(item) else (1, 0)
-    return sorted(items, key=key)  # (stable)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_logreport(report):
-    """--record-slow-seconds: each slow test's call (on the controller under xdist, which receives every worker's
-    reports; a session fixture's set-up is paid once per worker whatever the order, and would land on whichever test
-    came first)."""
-    if RECORD is not None and report.when == "call" and "slow" in report.keywords:
-        RECORD[report.nodeid] = report.duration
-
-
-RECORD: dict | None = None
-
-
-def pytest_configure(config):
-    global RECORD
-    if config.getoption("record_slow_seconds") and not hasattr(config, "workerinput"):
-        RECORD = {}
-
-
-def pytest_sessionfinish(session):
-    if RECORD:
-        seconds = json.loads(SLOW_SECONDS.read_text()) if SLOW_SECONDS.is_file() else {}
-        seconds.update({k: round(v, 1) for k, v in RECORD.items()})
-        SLOW_SECONDS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
+def pytest_collection_modifyitems(items):
+    """The slow tests first, in their files' order: the two workers of -n 2 share them out and the 800 quick tests fill
+    the end, so that neither worker waits on a long test the other began last. Most torchrun tests (tests/plumbing/)
+    come first and stay with one worker, while the other runs quick tests and then takes slow ones from the back
+    (tests/tools/ and the top level's, one process each). Two other orders were tried on a clean clone (2026-12-07, one
+    run each): the slow tests longest first, 999 s of pytest, and dealt longest first to both workers at once, 838 s,
+    against 809-878 s for this one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

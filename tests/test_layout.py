@@ -154,28 +154,3 @@ def test_the_folders_maps_name_what_is_there():
         named = [t for col in first_columns for t in re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", col))]
         assert len(named) >= 5 and not [t for t in named if not hasattr(module, t)], (name, named)
 
-
-def test_each_slow_test_has_its_measured_seconds(request):
-    """tests/slow_seconds.json orders the slow tests, longest first (conftest.py): every slow test collected has its
-    seconds there, and every entry names a test that exists."""
-    import json
-
-    from conftest import SLOW_SECONDS
-
-    seconds = json.loads(SLOW_SECONDS.read_text())
-    missing = [item.nodeid for item in request.session.items
-               if item.get_closest_marker("slow") and item.nodeid not in seconds]
-    assert not missing, f"not measured: python -m pytest -q --record-slow-seconds {' '.join(missing)}"
-    for nodeid in seconds:
-        path, name = nodeid.split("::")[0], nodeid.split("::")[-1].split("[")[0]
-        assert (ROOT / path).is_file() and f"def {name}(" in (ROOT / path).read_text(), f"no such test: {nodeid}"
-
-
-def test_the_slow_tests_run_first_longest_first():
-    """conftest.run_order: the slow tests before the quick ones, longest first by their measured seconds (one not
-    measured first of all), ties and the quick ones in their files' order."""
-    from conftest import run_order
-
-    items = ["q0", "a", "q1", "b", "c", "d", "q2", "e"]
-    seconds = {"a": 10.0, "b": 100.0, "c": 50.0, "e": 50.0}
-    assert run_order(items, lambda i: not i.startswith("q"), seconds) == ["d", "b", "c", "e", "a", "q0", "q1", "q2"]
