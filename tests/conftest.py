@@ -61,9 +61,10 @@ def pytest_collection_modifyitems(items):
     """The slow tests first, in their files' order: the two workers of -n 2 share them out and the 800 quick tests fill
     the end, so that neither worker waits on a long test the other began last. Most torchrun tests (tests/plumbing/)
     come first and stay with one worker, while the other runs quick tests and then takes slow ones from the back
-    (tests/tools/ and the top level's, one process each). Two other orders were tried on a clean clone (2026-12-07, one
-    run each): the slow tests longest first, 999 s of pytest, and dealt longest first to both workers at once, 838 s,
-    against 809-878 s for this one."""
+    (tests/tools/ and the top level's, one process each). Two other orders were tried (2026-12-07, one run each, on a
+    machine whose speed moved ~20% within the hour): the slow tests longest first, 999 s of pytest on a clean clone,
+    against 932 s for this order in the next run; dealt longest first to both workers at once, 838 s, against 809 s
+    for this order half an hour earlier. Neither was faster."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
