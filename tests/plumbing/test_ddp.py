@@ -17,8 +17,6 @@ import train
 from plumbing import checkpoint
 from conftest import TORCHRUN_SMALL as SMALL, final_weights, finish, metrics_without_timing, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
                                 reason="needs torch.distributed (gloo) and Linux's /proc")]
 
