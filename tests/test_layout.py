@@ -153,4 +153,3 @@ def test_the_folders_maps_name_what_is_there():
         first_columns = re.findall(r"^ {4}(\S.*?)\s{2,}\S", module.__doc__, re.M)
         named = [t for col in first_columns for t in re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", col))]
         assert len(named) >= 5 and not [t for t in named if not hasattr(module, t)], (name, named)
-
