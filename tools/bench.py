@@ -168,10 +168,15 @@ def trl_config(cfg: dict, steps: int, dtype: str, device: str, output_dir: str) 
 
     Two TRL 1.16 defaults are set explicitly because they change the arithmetic: `bf16=True` (autocast in bf16,
     which runs ~7x slower on a CPU without bf16 units and faster on one with them) and `gradient_checkpointing=True`
-    (a second forward pass inside every backward). The objective, the sampling and the split of one rollout into
+    (a second forward pass inside every backward; transformers 5.23 renamed it `activation_checkpointing` and
+    warns at the old name, which goes in v6). The objective, the sampling and the split of one rollout into
     optimizer steps are read from our side's settings, so the two cannot drift apart.
     """
+    from transformers import TrainingArguments
+
     args, loss = our_args(cfg, dtype, device)
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+        else "gradient_checkpointing"  # (transformers 5.17 to 5.22: the old name only)
     rows = args.num_prompts * args.num_generations
     return dict(
         output_dir=output_dir, per_device_train_batch_size=rows // args.num_minibatches,
@@ -182,7 +187,7 @@ def trl_config(cfg: dict, steps: int, dtype: str, device: str, output_dir: str) 
         scale_rewards=loss.scale_rewards, learning_rate=args.lr, lr_scheduler_type="constant",
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         max_steps=args.num_minibatches * (steps + 1), use_cpu=device == "cpu", bf16=dtype == "bfloat16", fp16=False,
-        gradient_checkpointing=False, report_to="none", logging_steps=10_000, save_strategy="no", seed=0,
+        **{checkpointing: False}, report_to="none", logging_steps=10_000, save_strategy="no", seed=0,
         disable_dropout=True)
 
 
