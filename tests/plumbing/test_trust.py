@@ -129,6 +129,7 @@ def test_a_run_with_wandb_disabled_does_not_import_wandb(tmp_path):
     assert "wandb loaded: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as intended
 def test_fsdp_shards_round_trip_and_an_index_or_entry_that_would_run_code_is_refused(tmp_path, tiny_policy_dir):
     """--fsdp's checkpoint shards (torch.distributed.checkpoint, here written and read by one process): the weights
     and AdamW moments come back exactly; torch's own reader would unpickle a tampered index (.metadata) or a
