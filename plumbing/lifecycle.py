@@ -20,6 +20,7 @@ import contextlib
 import json
 import shutil
 import signal
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -283,6 +284,10 @@ def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset=
     if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
         raise e
     reset()
+    # the failed try's tensors (its logits, its activations) are locals of the frames in e's traceback, which a
+    # reference cycle through the traceback would keep until Python's next collection (seen on Python 3.12: every
+    # smaller try failed too): dropped now
+    traceback.clear_frames(e.__traceback__)
     free_cached_memory()
     AUTO_MICRO_BATCH[key] = micro // 2
     print(f"out of memory at {micro} rows per forward/backward: using {micro // 2} from now on")

@@ -3,7 +3,9 @@ order prompts are read in, and what a step's normalisers and gathered rows hold 
 unit tests; the runs that use them are in test_train.py, test_ddp.py and test_reliability.py."""
 
 import contextlib
+import gc
 import math
+import weakref
 
 import torch
 
@@ -60,6 +62,42 @@ def test_out_of_memory_after_a_backward_drops_its_partial_gradient_and_begins_ag
     lifecycle.AUTO_MICRO_BATCH.pop(4, None)
     assert sizes == [4, 2, 2]
     assert torch.allclose(model.weight.grad, whole)  # not twice it
+
+
+def test_a_try_that_ran_out_of_memory_frees_its_tensors_before_the_next_begins():
+    """The failed try's tensors are locals of the frames in the error's traceback; a reference cycle through it (here
+    the error held by its own frame; on Python 3.12 also contextlib's) would keep them until Python's next
+    collection, so every smaller try could run out too (seen: the GPU check's out-of-memory case on the GPU image's
+    Python 3.12). Both halvings, the update's micro-batches and a pass without gradient, drop them at once."""
+    def attempt(n, made):  # a forward of n rows: its activations, then out of memory at 4 rows
+        activations = torch.zeros(n, 1000)
+        made.append(weakref.ref(activations))
+        if n == 4:
+            error = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error
+
+    gc.disable()  # (the cyclic collector, running by chance, would hide what is kept)
+    try:
+        lifecycle.AUTO_MICRO_BATCH.pop(4, None)
+        made, alive = [], []
+        step = MicroBatches(torch.arange(4), 0, SINGLE, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.0))
+        for part in step:
+            alive.append([r() is not None for r in made])
+            with step.guard():
+                attempt(len(part), made)
+        assert alive == [[], [False], [False, False]]  # at each try's start, nothing of the tries before
+        made, alive = [], []
+
+        def scored(micro):
+            alive.append([r() is not None for r in made])
+            return attempt(micro, made)
+
+        lifecycle.shrink_on_oom(scored, 4, 0, key="test")
+        assert alive == [[], [False]]
+    finally:
+        gc.enable()
+        lifecycle.AUTO_MICRO_BATCH.pop(4, None)
+        lifecycle.AUTO_MICRO_BATCH.pop("test", None)
 
 
 def test_a_step_is_skipped_when_its_loss_or_its_gradient_norm_is_not_finite():
