@@ -365,7 +365,7 @@ def validate(args, world_size: int = 1) -> None:
             rewards.require_math_verify()
         except rewards.VerifierError as e:
             raise ConfigError(str(e))
-    check_wandb_login(args.wandb_mode)
+    check_wandb(args.wandb_mode)
     if args.lr_scheduler not in (names := working_schedulers()):  # last: it imports transformers' trainer (~5 s)
         raise ConfigError(f"--lr-scheduler {args.lr_scheduler!r} cannot be used here; use one of {', '.join(names)}")
 
@@ -430,8 +430,13 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(f"--output-dir {folder} cannot be created ({probe}: {why}); pass a folder you can write to")
 
 
-def check_wandb_login(requested: str | None) -> None:
-    if network.wandb_mode(requested) == "online" and not network.wandb_has_login():
+def check_wandb(requested: str | None) -> None:
+    """wandb online or offline needs the package (an image may lack it), and online a login (never a prompt)."""
+    mode = network.wandb_mode(requested)
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"wandb {mode} needs the wandb package, which is not installed: pip install wandb "
+                          "(requirements.txt), or --wandb-mode disabled to log to metrics.jsonl alone")
+    if mode == "online" and not network.wandb_has_login():
         raise ConfigError("wandb online needs a login (`wandb login`, or WANDB_API_KEY); use --wandb-mode offline "
                           "(sync later with `wandb sync`) or disabled")
 

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -291,6 +292,19 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_work(tmp_pa
     refused(["--model", str(tiny_policy_dir), "--output-dir", str(out)] + SMALL, capsys, out, "cannot be created",
             seconds=20)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("argv,mode", [([], "offline"), (["--wandb-mode", "online"], "online")])
+def test_wandb_without_its_package_is_one_line_unless_disabled(tmp_path, capsys, tiny_policy_dir, no_wandb_login,
+                                                               monkeypatch, argv, mode):
+    """An image without wandb (the GPU machines' has none): offline (the default without a login) or online is refused
+    before anything is written, with what to do; --wandb-mode disabled runs."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec says None, an import fails
+    base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path / "out")] + SMALL[:-2]
+    refused(base + argv, capsys, tmp_path / "out", f"wandb {mode} needs the wandb package, which is not installed: "
+            "pip install wandb (requirements.txt), or --wandb-mode disabled")
+    train.main(base + ["--total-steps", "1", "--wandb-mode", "disabled"])
+    assert "wandb disabled" in capsys.readouterr().out
 
 
 def test_wandb_online_from_the_environment_without_login(tmp_path, capsys, tiny_policy_dir, no_wandb_login,
