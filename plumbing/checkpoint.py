@@ -112,6 +112,19 @@ INDEX_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
 
 
+class Index(pickle.Unpickler):
+    """Unpickles a shards/.metadata index admitting only INDEX_CLASSES and dtypes: anything else is an
+    UnpicklingError, never an import or a call. Python 3.13 pickles a path under pathlib._local (3.11 and 3.12
+    under pathlib): read as pathlib's, so an index written by one Python loads under the others."""
+
+    def find_class(self, module: str, name: str):
+        module = "pathlib" if module == "pathlib._local" else module
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in INDEX_CLASSES and not dtype:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        return super().find_class(module, name)
+
+
 def save_shards(folder: Path, model: torch.nn.Module, optimizer) -> list[dict]:
     """Every rank writes its shards of the weights and of AdamW's moments into `folder` (tensors only); returns
     AdamW's param_groups (plain data, for state.pt)."""
@@ -160,13 +173,6 @@ def safe_reader(folder: Path):
     """A reader of shards/ that runs no code (built on first use: DCP takes ~1 s to import; only --fsdp needs it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class Index(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
-            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-            if (module, name) not in INDEX_CLASSES and not dtype:
-                raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-            return super().find_class(module, name)
 
     class SafeReader(dcp.FileSystemReader):
         """torch's FileSystemReader, but the index is unpickled admitting only INDEX_CLASSES (torch's own reader

@@ -129,6 +129,24 @@ def test_a_run_with_wandb_disabled_does_not_import_wandb(tmp_path):
     assert "wandb loaded: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_a_shard_index_names_paths_as_any_python_pickles_them_and_nothing_else_runs():
+    """DCP's index holds the checkpoint folder's path: Python 3.11 and 3.12 pickle it as pathlib.PosixPath, 3.13 as
+    pathlib._local.PosixPath (seen: 3.13 refused its own checkpoints). Both load under any Python; a callable that
+    is not part of an index is refused, never imported."""
+    import io
+    import pickle
+
+    def loaded(module: str, name: str, arg: bytes):  # protocol 2: GLOBAL module name, BINUNICODE arg, TUPLE1, REDUCE
+        stream = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"X" + len(arg).to_bytes(4, "little") + arg + b"\x85R."
+        return checkpoint.Index(io.BytesIO(stream)).load()
+
+    assert loaded("pathlib", "PosixPath", b"/tmp/run") == loaded("pathlib._local", "PosixPath", b"/tmp/run") == \
+        Path("/tmp/run")
+    for module, name in (("os", "system"), ("pathlib._local", "Path"), ("builtins", "eval")):
+        with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint index"):
+            loaded(module, name, b"true")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as intended
 def test_fsdp_shards_round_trip_and_an_index_or_entry_that_would_run_code_is_refused(tmp_path, tiny_policy_dir):
     """--fsdp's checkpoint shards (torch.distributed.checkpoint, here written and read by one process): the weights
