@@ -222,8 +222,12 @@ def is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
 
 
-def free_cached_memory() -> None:
-    """Hand the allocator's cached blocks back after an out-of-memory error (CUDA keeps them otherwise)."""
+def free_cached_memory(e: BaseException) -> None:
+    """Hand back what out-of-memory error `e` left: the failed work's tensors (its logits, its activations), locals
+    of the finished frames in e's traceback, which a reference cycle through the traceback would keep until Python's
+    next collection (seen on Python 3.12: every smaller try of the halving ran out too), then the allocator's
+    cached blocks (CUDA keeps them otherwise)."""
+    traceback.clear_frames(e.__traceback__)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -231,7 +235,7 @@ def free_cached_memory() -> None:
 def out_of_memory(e: Exception, step: int, unchanged: bool, save_start, run_dir: Path, resume_hint: str) -> OutOfMemory:
     """The one-line error for an out-of-memory step. If no optimizer step was taken yet, the weights are still those
     the step started from, so that state is saved and nothing is lost; else the latest checkpoint is named."""
-    free_cached_memory()
+    free_cached_memory(e)
     reason = str(e).strip().splitlines()[0] if str(e).strip() else "no details"
     last = None if unchanged else checkpoint.all_checkpoints(run_dir / "checkpoints")
     if unchanged or last:
@@ -284,11 +288,7 @@ def halved(e: RuntimeError, micro: int, fixed: int, world_size: int, key, reset=
     if not is_out_of_memory(e) or fixed or micro == 1 or world_size > 1:
         raise e
     reset()
-    # the failed try's tensors (its logits, its activations) are locals of the frames in e's traceback, which a
-    # reference cycle through the traceback would keep until Python's next collection (seen on Python 3.12: every
-    # smaller try failed too): dropped now
-    traceback.clear_frames(e.__traceback__)
-    free_cached_memory()
+    free_cached_memory(e)  # the failed try's tensors too, before the next try
     AUTO_MICRO_BATCH[key] = micro // 2
     print(f"out of memory at {micro} rows per forward/backward: using {micro // 2} from now on")
     return micro // 2
@@ -330,7 +330,7 @@ class StepFailures:
                                        "--dynamic-sampling False") from None
         if exc is not None and is_out_of_memory(exc):
             if self.in_optimizer:  # the step may have moved some moments: nothing worth saving
-                free_cached_memory()
+                free_cached_memory(exc)
                 raise OptimizerOutOfMemory(f"out of memory in the optimizer step of step {self.step}: "
                                            f"{optimizer_out_of_memory(self.policy)}; no checkpoint of this step was "
                                            "written") from None
@@ -347,7 +347,7 @@ class StepFailures:
         except RuntimeError as e:
             if not is_out_of_memory(e):
                 raise
-            free_cached_memory()
+            free_cached_memory(e)
             reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no details"
             last = checkpoint.all_checkpoints(self.run_dir / "checkpoints")
             where = f"saved {self.save(step)}" if self.world_size == 1 else \
