@@ -74,8 +74,10 @@ CHECKS = [  # (is the value wrong?, message): checked before any work is done
     (lambda a: a.warmup_steps < 0, "--warmup-steps must be >= 0 (got {warmup_steps})"),
     (lambda a: not a.max_grad_norm > 0, "--max-grad-norm must be > 0 (got {max_grad_norm})"),
     (lambda a: a.weight_decay < 0, "--weight-decay must be >= 0 (got {weight_decay})"),
-    (lambda a: not 0 < a.epsilon < 1 and not (a.surrogate in ("cispo", "gmpo") and 0 < a.epsilon <= 1),
-     "--epsilon must be in (0, 1) (got {epsilon}; CISPO and GMPO take 1, no lower bound); GRPO uses 0.2, GSPO 3e-4"),
+    # 1: no lower bound, for CISPO's cap and GMPO's log-ratio clip; SAPO's and VESPO's objectives never read epsilon
+    (lambda a: not 0 < a.epsilon < 1 and not (a.surrogate in ("cispo", "gmpo", "sapo", "vespo") and 0 < a.epsilon <= 1),
+     "--epsilon must be in (0, 1) with --surrogate {surrogate} (got {epsilon}, from --epsilon or else --algo {algo}; "
+     "CISPO and GMPO take 1, no lower bound); GRPO uses 0.2, GSPO 3e-4"),
     (lambda a: not a.epsilon_high >= 0, "--epsilon-high must be >= 0 (got {epsilon_high}); DAPO uses 0.28"),
     (lambda a: a.surrogate == "vespo" and a.rollout_correction.startswith("sequence"),
      "VESPO folds the rollout correction's token weights pi_old / mu into its own sequence ratio (as TRL and the "

@@ -146,6 +146,8 @@ FLAGS = [
     (["--lr", "-1e-4"], "--lr must be > 0"),
     (["--epsilon", "0"], "--epsilon must be in (0, 1)"),
     (["--epsilon", "1.5"], "--epsilon must be in (0, 1)"),
+    (["--algo", "cispo", "--surrogate", "clip"], "--epsilon must be in (0, 1) with --surrogate clip (got 1.0, from "
+                                                 "--epsilon or else --algo cispo"),  # CISPO's 1: PPO's clip refuses it
     (["--epsilon-high", "-0.1"], "--epsilon-high must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "0"], "--temperature must be > 0"),
@@ -264,7 +266,8 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
 
     for kw in [dict(logprob_chunk=-1), dict(temperature=0.01), dict(algo="dapo", overlong_cache=64, max_new_tokens=64),
                dict(rollout_correction="token_mask", rollout_correction_min=0.5, rollout_correction_max=0.6),
-               dict(advantage_estimator="maxrl"), dict(num_prompts=8)]:
+               dict(advantage_estimator="maxrl"), dict(num_prompts=8),
+               dict(algo="cispo", surrogate="vespo"), dict(algo="gmpo", epsilon=1.0)]:  # epsilon 1: unread by VESPO
         flags.validate(args(**kw))
     flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
     # a KL setting with beta > 0, a preset's own value with beta 0, a SAPO temperature under SAPO, another estimator
