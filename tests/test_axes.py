@@ -292,8 +292,11 @@ def test_clip_cov_and_kl_cov_equal_verl(surrogate, seed):
     ref.backward()
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12)
-    frac = losses.ratio_diagnostics(logp, old, adv, mask, cfg)["clip/cov_frac"]
+    diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
+    frac = diag["clip/cov_frac"]
     assert 0 < frac <= 2e-4 + 1 / mask.sum()  # the rule touched at least one token, and no more than its share
+    if surrogate == "kl_cov":  # no clip: what clip/frac reads is the share it penalises, verl's top-k count
+        assert diag["clip/frac"] == frac == max(1, int(mask.sum() * 2e-4)) / float(mask.sum())
 
 
 @pytest.mark.parametrize("surrogate", ["clip_cov", "kl_cov"])
@@ -386,6 +389,20 @@ def test_update_metrics_leave_the_adaptive_bonus_to_the_controller():
         m = metrics.update_metrics(seen, logp, torch.rand(4, 5), None, torch.randn(4), mask, cfg, SINGLE,
                                    adaptive_entropy=adaptive)
         assert ("entropy/bonus" in m) != adaptive and (m.get("entropy/bonus", 1.0) > 0)
+
+
+def test_the_logged_bonus_is_the_coefficient_times_the_trained_tokens_mean_entropy():
+    """With --top-entropy-quantile and a fixed --entropy-coef, entropy/bonus averages the entropy over the tokens the
+    loss trained (each micro-batch keeps its own top share), not over every valid token; entropy/masked_frac is the
+    share left out."""
+    import metrics
+    from plumbing.ddp import SINGLE
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]] * 2)  # the last column: padding
+    seen = [(torch.tensor([0]), None, torch.tensor([[1.0, 2.0, 3.0, 4.0, 99.0]])),
+            (torch.tensor([1]), None, torch.tensor([[10.0, 20.0, 30.0, 40.0, 99.0]]))]
+    m = metrics.entropy_control_metrics(seen, mask, 0.5, 0.1, SINGLE)  # keeps 3, 4 and 30, 40
+    assert m == {"entropy/masked_frac": 0.5, "entropy/bonus": pytest.approx(0.1 * (3 + 4 + 30 + 40) / 4)}
 
 
 def test_adaptive_entropy_state_survives_a_resume(tmp_path, tiny_policy_dir):

@@ -173,6 +173,19 @@ def test_token_clip_binds_only_on_the_side_that_matters():
     assert loss == pytest.approx((-0.5 + 1.5 - 1.2 + 0.8) / 4)
 
 
+def test_a_zero_advantage_is_never_counted_as_clipped():
+    """A unit with A = 0 (every completion of an all-right or all-wrong group) has no side to clip: its loss is 0 at
+    any ratio, so however far its ratio moved it is in neither clip fraction, at token or at sequence level."""
+    w = torch.tensor([0.1, 5.0, 0.1, 5.0])  # far below 1 - eps and far above 1 + eps_high
+    adv = torch.tensor([0.0, 0.0, -1.0, 1.0])
+    assert losses.ppo_clipped(w, adv, 0.2, 0.28).tolist() == [False, False, True, True]
+    assert losses.clip_fractions(w, adv, 0.2, 0.28, torch.ones(4, dtype=torch.bool)) == (0.25, 0.25)
+    logp = torch.log(torch.tensor([[0.1, 0.1], [5.0, 5.0], [0.1, 0.1], [5.0, 5.0]]))  # (B, T): w per token
+    for level, unit in (("token", "token"), ("sequence", "seq")):
+        diag = losses.ratio_diagnostics(logp, torch.zeros(4, 2), adv, torch.ones(4, 2), LossConfig(level))
+        assert diag[f"clip/{unit}_low"] == diag[f"clip/{unit}_high"] == 0.25 and diag["clip/frac"] == 0.5
+
+
 def test_clipped_gspo_sequence_passes_no_gradient_to_any_token():
     cfg = PRESETS["gspo"]
     mask = toy_mask()
