@@ -220,6 +220,22 @@ def test_high_entropy_mask_keeps_the_top_fraction_of_valid_tokens():
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: never kept, never counted
     kept = losses.high_entropy_mask(entropy, mask, 0.3)  # top 30% of 7 valid tokens: the quantile is at 0.7
     assert kept.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
+    # a token at the threshold itself is kept (TRL's >=): the median of 1..5 is 3, so 3, 4 and 5 train
+    kept = losses.high_entropy_mask(torch.tensor([[5.0, 1, 4, 2, 3]]), torch.ones(1, 5), 0.5)
+    assert kept.tolist() == [[1, 0, 1, 0, 1]]
+
+
+def test_the_entropy_bonus_of_a_step_is_the_mean_of_its_micro_batches_bonuses():
+    """policy_loss subtracts coef x the micro-batch's mean entropy over its trained tokens, divided by the step's
+    number of micro-batches (TRL's): summed over a step's micro-batches, coef x the mean of their means."""
+    cfg = replace(PRESETS["dapo"], entropy_coef=0.1)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    entropy = torch.tensor([[1.0, 3.0, 50.0], [4.0, 5.0, 6.0]])  # means over valid tokens: 2 and 5
+    zero, norm = torch.zeros(1, 3), StepNorm(2, 5, 3, micro_batches=2)  # A = 0: the policy term is 0
+    step = sum(losses.policy_loss(zero, zero, torch.zeros(1), mask[i:i + 1], norm, cfg, entropy=entropy[i:i + 1])
+               for i in range(2))
+    assert float(step) == pytest.approx(-0.1 * (2 + 5) / 2)
+    assert losses.cov_tokens(0) == 0 and losses.cov_tokens(4999) == 1 and losses.cov_tokens(10_000) == 2
 
 
 def test_entropy_controls_end_to_end(tmp_path, tiny_policy_dir):

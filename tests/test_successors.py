@@ -279,6 +279,7 @@ def test_gmpo_counts_clipped_tokens_by_the_sign_of_a_and_never_a_zero_advantage(
 
 def test_vespo_clip_fraction_counts_the_sequences_its_kernel_leaves_under_half_their_gradient():
     logp, old, adv, mask = batch(0.6, seed=4)
+    adv = torch.cat([torch.zeros(1), adv[1:]])  # A = 0 (an all-equal group) takes the A >= 0 kernel, as TRL's
     log_w = ((logp - old) * mask).sum(-1)  # (B,) log of each sequence's whole ratio
     k = torch.where(adv >= 0, 2.0, 3.0)
     lam = torch.where(adv >= 0, 3.0, 2.0)
