@@ -84,6 +84,9 @@ def test_score_combines_weighted_terms():
     assert s["format"] == [1.0, 0.0, 0.0]
     assert s["overlong"] == [0.0, -0.75, -1.0]
     assert s["reward"] == pytest.approx([1.1, 0.25, -1.0])
+    half = rewards.score(["<answer>2</answer> x", "nothing"], ["2", "3"], lengths=[19, 30], truncated=[False, True],
+                         format_weight=0.1, overlong_weight=0.5, max_len=20, cache_len=4)
+    assert half["overlong"] == [-0.75, -1.0] and half["reward"] == pytest.approx([1 - 0.375, -0.5])  # weighted
 
 
 # --answer-format last-number: the last number in prose (GSM8K-style)
