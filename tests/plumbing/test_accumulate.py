@@ -42,6 +42,17 @@ def test_only_the_last_micro_batch_of_a_step_all_reduces():
     assert ddp.unsynced == 3
 
 
+def test_a_steps_logged_loss_is_the_sum_of_its_micro_batches_losses():
+    """Each micro-batch's loss carries the whole step's normalisers, so the step's loss (losses/policy_loss) is their
+    sum, whatever the micro-batch size; what each saw is kept for the logs, in order."""
+    step, log = MicroBatches(torch.arange(5), 2, SINGLE, None), StepLog()
+    for part in step:
+        with step.guard():
+            step.keep(torch.tensor(float(part.sum())), part.tolist())  # 1, 5, 4
+    assert log.finite(step, torch.tensor(1.0), SINGLE) and log.seen == [[0, 1], [2, 3], [4]]
+    assert log.metrics() == {"losses/policy_loss": 10.0, "losses/grad_norm": 1.0, "losses/skipped_updates": 0}
+
+
 def test_out_of_memory_after_a_backward_drops_its_partial_gradient_and_begins_again_at_half():
     """--micro-batch-size 0: a try that ran out of memory after some backward passes left a partial gradient; the
     step begins again at half the rows from a zero gradient, so the step's gradient is the whole minibatch's once."""
