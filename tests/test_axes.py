@@ -235,7 +235,6 @@ def test_the_entropy_bonus_of_a_step_is_the_mean_of_its_micro_batches_bonuses():
     step = sum(losses.policy_loss(zero, zero, torch.zeros(1), mask[i:i + 1], norm, cfg, entropy=entropy[i:i + 1])
                for i in range(2))
     assert float(step) == pytest.approx(-0.1 * (2 + 5) / 2)
-    assert losses.cov_tokens(0) == 0 and losses.cov_tokens(4999) == 1 and losses.cov_tokens(10_000) == 2
 
 
 def test_entropy_controls_end_to_end(tmp_path, tiny_policy_dir):
@@ -313,6 +312,11 @@ def test_clip_cov_and_kl_cov_equal_verl(surrogate, seed):
     assert 0 < frac <= 2e-4 + 1 / mask.sum()  # the rule touched at least one token, and no more than its share
     if surrogate == "kl_cov":  # no clip: what clip/frac reads is the share it penalises, verl's top-k count
         assert diag["clip/frac"] == frac == max(1, int(mask.sum() * 2e-4)) / float(mask.sum())
+
+
+def test_the_covariance_rules_act_on_their_share_of_tokens_at_least_one_and_none_of_none():
+    """Clip-Cov and KL-Cov act on COV_RATIO (2e-4) of the valid tokens, at least one (verl's), none when none."""
+    assert [losses.cov_tokens(n) for n in (0, 1, 4999, 10_000)] == [0, 1, 1, 2]
 
 
 @pytest.mark.parametrize("surrogate", ["clip_cov", "kl_cov"])
