@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
@@ -61,11 +62,13 @@ def test_json_array_file_and_bad_rows_named(tmp_path):
 
 def test_a_file_saved_with_a_byte_order_mark_and_windows_line_ends_reads_as_any_other(tmp_path):
     """Notepad and Excel save UTF-8 with a byte-order mark, and CRLF line ends: the JSONL and JSON readers refused the
-    first line as invalid JSON."""
+    first line as invalid JSON. A line of nothing but spaces (an editor's indentation left at the end) is an empty
+    line, skipped."""
     rows = [{"prompt": f"{n} mod 3 =", "answer": str(n % 3)} for n in range(10, 20)]
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + "\r\n".join(json.dumps(r) for r in rows) + "\r\n").encode())
+    bom_jsonl = "\ufeff" + "\r\n".join(json.dumps(r) for r in rows) + "\r\n  \t\r\n"
+    (tmp_path / "bom.jsonl").write_bytes(bom_jsonl.encode())
     (tmp_path / "bom.json").write_bytes(("\ufeff" + json.dumps(rows)).encode())
     for name in ("bom.jsonl", "bom.json"):
         assert task.load_dataset(str(tmp_path / name)) == task.load_dataset(str(plain)), name
@@ -158,6 +161,27 @@ def test_an_embedded_task_s_held_out_split_is_a_held_out_set(tmp_path):
     tr, te = runs.load_data(args)
     assert len(tr) == 10 and te == task.addition_splits()[1]
 
+
+def test_an_eval_dataset_with_a_test_split_is_evaluated_on_that_split(tmp_path):
+    """--eval-dataset naming a dataset with train and test splits: its test split is the held-out set."""
+    DatasetDict({"train": Dataset.from_list(ROWS[:30]), "test": Dataset.from_list(ROWS[30:])}) \
+        .save_to_disk(str(tmp_path / "gsm"))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
+                                                  for n in range(10, 20)))
+    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "gsm")))[0]
+    tr, te = runs.load_data(args)
+    assert len(tr) == 10 and [e.prompt for e in te] == [r["question"] for r in ROWS[30:]]
+
+def test_the_additions_task_is_the_one_the_reference_describes():
+    """--dataset embedded-add: every a + b with a, b <= 30, each answer the sum, split by a hash of the prompt into the
+    758 training and 203 held-out problems docs/reference.md gives (the study's claim 5 ran on this split)."""
+    tr, te = task.addition_splits()
+    pairs = [tuple(map(int, e.prompt.removeprefix("What is ").removesuffix("?").split(" + "))) for e in tr + te]
+    assert sorted(pairs) == [(a, b) for a in range(31) for b in range(31)]
+    assert all(int(e.answer) == a + b for e, (a, b) in zip(tr + te, pairs))
+    assert (len(tr), len(te)) == (758, 203) and te[0].prompt == "What is 0 + 4?"
+    reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
+    assert "(758 train, 203\nheld out by prompt hash)" in reference
 
 def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
     """--eval-dataset is not split, so one row is enough (a --dataset that is split needs two)."""

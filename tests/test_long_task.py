@@ -61,9 +61,10 @@ def test_long_teacher_slips_only_on_the_first_step():
         assert all(s - d == r for s, d, r in values[1:])  # then correct from there on
         slipped_first += 1
     assert slipped_first == 200
-    # a first step that does not borrow never slips, even at slip_prob 1
-    calm = next(p for p in task.long_problems() if not task.borrows(*p))
-    assert task.solve(calm, rng, 1.0, first_step_only=True) == task.solve(calm)
+    # a first step that does not borrow never slips, even at slip_prob 1, nor does a later step that borrows
+    calm = [p for p in task.long_problems() if not task.borrows(*p)]
+    later = [p for p in calm if any(task.borrows(p[0] - k * p[1], p[1]) for k in range(1, p[0] // p[1]))]
+    assert later and all(task.solve(p, rng, 1.0, first_step_only=True) == task.solve(p) for p in calm)
 
 
 def test_defaults_follow_the_dataset():
@@ -76,7 +77,8 @@ def test_defaults_follow_the_dataset():
 
 
 def test_the_long_task_phrased_for_a_chat_model():
-    """--dataset embedded-long-instruct: the long task's problems and splits, asked as a chat model is asked."""
+    """--dataset embedded-long-instruct: the long task's problems and splits, asked as a chat model is asked; and
+    --dataset embedded-instruct, the default task's."""
     args, _ = runs.resolve(train.Args(dataset="embedded-long-instruct"))
     assert args.max_new_tokens == task.LONG_MAX_NEW_TOKENS  # room for the working
     train_set, test_set = runs.load_data(args)
@@ -84,6 +86,10 @@ def test_the_long_task_phrased_for_a_chat_model():
     assert [e.answer for e in train_set] == [e.answer for e in long_train] and len(test_set) == len(long_test) == 102
     n, d = next(p for p in task.split(True, long=True))
     assert test_set[0].prompt == f"What is the remainder when {n} is divided by {d}?"
+    _, short_test = runs.load_data(runs.resolve(train.Args(dataset="embedded-instruct"))[0])  # the default task too
+    assert [e.answer for e in short_test] == [e.answer for e in task.default_splits()[1]]
+    n, d = task.split(True)[0]
+    assert short_test[0].prompt == f"What is the remainder when {n} is divided by {d}?"
 
 
 @pytest.mark.slow

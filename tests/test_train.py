@@ -82,6 +82,14 @@ def test_same_seed_same_metrics(tmp_path, tiny_policy_dir):
     assert drop(a) == drop(b)
 
 
+def test_the_schedule_spans_every_optimizer_step_of_the_run(tmp_path, tiny_policy_dir):
+    """--lr-scheduler's length is total_steps x num_minibatches x num_epochs optimizer steps: a linear decay over two
+    RL steps of 2 minibatches x 2 epochs is half way down after the first and at 0 after the second."""
+    train.train(train.Args(**{**SMALL, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "num_epochs": 2,
+                              "lr_scheduler": "linear", "save_model": False}))
+    rows = [json.loads(line) for line in (tmp_path / "gspo-s0" / "metrics.jsonl").open()]
+    assert [r["charts/lr"] for r in rows if "charts/lr" in r] == [pytest.approx(SMALL["lr"] / 2), 0.0]
+
 def test_on_policy_run_skips_pi_old_and_nothing_clips(tmp_path, tiny_policy_dir, capsys):
     _, metrics, _ = run(tmp_path, tiny_policy_dir, algo="grpo", num_minibatches=1, save_model=False)
     assert "fully on-policy" in capsys.readouterr().out

@@ -39,6 +39,49 @@ def test_a_save_keeps_the_newest_checkpoints_and_an_error_names_the_newest_other
     assert hint == f"resume from another checkpoint with --resume {root / 'step-000004'}", hint
     assert checkpoint.find("auto", tmp_path) == root / "step-000005"
     assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == root / "step-000005"  # a run folder: its latest
+    checkpoint.save(root, 5, Saves(), Saves(), {"step": 5, "config": {"again": True}}, keep=3)  # a stop right after
+    assert [p.name for p in checkpoint.all_checkpoints(root)] == ["step-000003", "step-000004", "step-000005"]  # a save
+    assert torch.load(root / "step-000005" / "state.pt", weights_only=True)["config"] == {"again": True}  # replaced
+
+
+def test_a_restore_puts_back_adamws_moments_the_schedule_the_prompt_cursor_the_rngs_and_the_step():
+    """checkpoint.restore from what Run.save keeps: the optimizer's moments, the learning rate where a moving schedule
+    had it, the prompt stream's place, the sampling streams, the next step and the minutes spent; a checkpoint from
+    before data parallel (one RNG state, as "rng") restores the same way."""
+    from transformers import get_scheduler
+
+    def fresh():
+        w = torch.nn.Parameter(torch.arange(3.0))
+        opt = torch.optim.AdamW([w], lr=0.1)
+        return w, opt, get_scheduler("cosine", opt, num_warmup_steps=2, num_training_steps=10)
+
+    w, opt, sched = fresh()
+    for _ in range(5):
+        (w ** 2).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    examples = [task.Example(f"{i} mod 3 =", str(i % 3)) for i in range(7)]
+    stream, gen = runs.PromptStream(examples, seed=0), torch.Generator().manual_seed(5)
+    stream.take(9)  # into the second pass
+    torch.rand(4, generator=gen)
+    rng = checkpoint.rng_state(gen)
+    state = {"step": 3, "cursor": stream.cursor, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "minutes": 2.5}
+    for kept in ({"rng_ranks": [rng]}, {"rng": rng}):
+        _, opt2, sched2 = fresh()
+        stream2, gen2 = runs.PromptStream(examples, seed=0), torch.Generator().manual_seed(6)
+        assert checkpoint.restore({**state, **kept}, opt2, sched2, gen2, stream2) == (4, 2.5)
+        assert sched2.get_last_lr() == sched.get_last_lr() != [0.1]  # mid-decay, not the schedule's start
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt2.state_dict()["state"][0][key], opt.state_dict()["state"][0][key]), key
+        assert stream2.cursor == 9 and stream2.take(5) == runs.PromptStream(examples, seed=0).take(14)[9:]
+        saved_gen = torch.Generator().set_state(rng["generator"])
+        assert torch.equal(torch.rand(3, generator=gen2), torch.rand(3, generator=saved_gen))
+    checkpoint.check_world_size({"rng": rng}, 1, Path("ckpt"))  # one process wrote it, one resumes it
+    with pytest.raises(checkpoint.CheckpointError, match="written by 1 process, this run has 2"):
+        checkpoint.check_world_size({"rng": rng}, 2, Path("ckpt"))
 
 
 def test_a_resume_refuses_every_change_to_what_the_run_computes_and_allows_the_rest():

@@ -275,9 +275,25 @@ def test_truncated_and_corrupt_checkpoints_are_refused(tmp_path, capsys, tiny_po
     state.write_bytes(b"\x00garbage" * 50)  # corrupt
     code, err = cli(base + ["--resume", str(ckpts[-1]), "--total-steps", "3"], capsys)
     assert code == 2 and "truncated or corrupt" in err
+    torch.save({"weights": torch.ones(2)}, state)  # a state.pt, but not one this trainer wrote
+    code, err = cli(base + ["--resume", str(ckpts[-1]), "--total-steps", "3"], capsys)
+    assert code == 2 and "is not a checkpoint of this trainer" in err and err.count("\n") == 1
     (ckpts[0] / "state.pt").unlink()  # incomplete
     code, err = cli(base + ["--resume", str(ckpts[0]), "--total-steps", "3"], capsys)
     assert code == 2 and "not a complete checkpoint" in err
+
+
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, tiny_policy_dir):
+    """The checkpoint keeps the wandb run's id, and a resume goes on logging to that run, not to a new one."""
+    base = ["--model", str(tiny_policy_dir), "--output-dir", str(tmp_path), *SMALL[:-2], "--wandb-mode", "offline",
+            "--save-every", "1"]
+    train.main(base + ["--total-steps", "1"])
+    run_dir = tmp_path / "gspo-s0"
+    (run_dir / "summary.json").unlink()  # as if killed after its step-1 checkpoint
+    train.main(base + ["--total-steps", "2", "--resume", "auto"])
+    saved = torch.load(run_dir / "checkpoints" / "step-000001" / "state.pt", weights_only=True)["wandb_id"]
+    logged_to = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert saved and logged_to == {saved}, (saved, logged_to)
 
 
 def spawn(argv, out_dir):
@@ -300,7 +316,8 @@ def wait_until(ready, every: float = 0.05, seconds: float = 120.0) -> None:
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted_run(tmp_path, tiny_policy_dir, lora):
     argv = ["--model", str(tiny_policy_dir), "--total-steps", "16", "--save-every", "2", "--algo", "dapo",
-            "--max-sampling-rounds", "30"] + SMALL + lora  # the kill: within a second of step 2's checkpoint
+            "--max-sampling-rounds", "30", "--lr-scheduler", "cosine"] + SMALL + lora  # the kill: within a second
+    # of step 2's checkpoint; a schedule that moves every optimizer step, which the resumed run must pick up mid-way
     reference = spawn(argv, tmp_path / "ref")
     victim = spawn(argv, tmp_path / "kill")
     name = "dapo-lora4-s0" if lora else "dapo-s0"
