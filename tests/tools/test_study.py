@@ -94,6 +94,7 @@ def test_each_verdict_says_whether_zero_and_the_prediction_are_excluded():
     # present but smaller than predicted: both excluded, on the predicted side
     assert study.verdict(study.estimate([0.1, 0.11, 0.09, 0.1, 0.1]), 0.5, True) == "smaller than predicted"
     assert study.verdict(study.estimate([-0.1, -0.11, -0.09, -0.1]), 0.5, True) == "opposite"  # the other side
+    assert study.verdict(study.estimate([-1e-4, -1.1e-4, -0.9e-4, -1e-4]), 0.5, True) == "opposite"  # however small
 
 
 def test_holm_adjusts_step_down_and_seed_drops_count_verdict_changes():
@@ -102,6 +103,8 @@ def test_holm_adjusts_step_down_and_seed_drops_count_verdict_changes():
     base = study.verdict(e, 0.5, True)
     changed = [study.verdict(study.estimate(e.values[:i] + e.values[i + 1:]), 0.5, True) != base for i in range(5)]
     assert study.seed_drops(e, 0.5, True) == sum(changed) > 0
+    e = study.estimate([0.50, 0.51, 0.52])  # three seeds: each drop leaves two, whose interval still exists
+    assert study.verdict(e, 0.6, True) == "smaller than predicted" and study.seed_drops(e, 0.6, True) == 1
 
 
 def test_the_p_values_holm_reads_are_two_sided_one_sample_t_tests():
@@ -138,6 +141,7 @@ def test_an_estimate_whose_mean_is_zero_but_for_rounding_prints_as_zero():
     assert e.mean != 0 and abs(e.mean) < 1e-12
     assert study.fmt_est(e).startswith("+0 [") and study.fmt_est(study.estimate([0.01, 0.02])).startswith("+0.015 [")
     assert study.fmt_est(study.estimate([3e-14, 1e-14])).startswith("+2e-14 [")  # a small quantity is not rounding
+    assert study.fmt_est(study.estimate([0.3, -0.3 + 3e-7])).startswith("+1.5e-07 [")  # nor a small mean of large ones
 
 
 def test_pairing_uses_the_seeds_both_arms_have():
@@ -438,6 +442,16 @@ def test_a_run_collapses_by_a_drop_from_its_peak_or_a_non_finite_stop():
     assert not data.collapsed(run([0.2, 0.7, 0.55]))
     assert data.collapsed(run([0.2, 0.7, 0.7], stopped=data.STOPS["non-finite losses"]))  # at its peak, but stopped
 
+
+def test_the_length_exponent_skips_a_quartile_with_no_spread():
+    """A (step, length quartile) whose std is 0 (every ratio 1: an on-policy step) has no log: it is left out of the
+    fit, not a math error, and the exponent of the rest stands (std ~ sqrt(length) here: 0.5)."""
+    from tools.study import data
+
+    rows = [{"step": step, **{f"lenbucket/q{q}_len": 10 * 2 ** q for q in range(1, 5)},
+             **{f"lenbucket/q{q}_std_logsum": 0.0 if (step, q) == (2, 1) else 0.01 * (10 * 2 ** q) ** 0.5
+                for q in range(1, 5)}} for step in (1, 2, 3)]
+    assert data.length_exponent({"rows": rows}) == pytest.approx(0.5)
 
 def test_the_fits_slope_is_least_squares_in_exactly_rounded_sums():
     """data.slope replaces numpy's polyfit (LAPACK, whose last bits differ between CPUs) for the length exponent and
