@@ -172,6 +172,7 @@ def test_an_eval_dataset_with_a_test_split_is_evaluated_on_that_split(tmp_path):
     tr, te = runs.load_data(args)
     assert len(tr) == 10 and [e.prompt for e in te] == [r["question"] for r in ROWS[30:]]
 
+
 def test_the_additions_task_is_the_one_the_reference_describes():
     """--dataset embedded-add: every a + b with a, b <= 30, each answer the sum, split by a hash of the prompt into the
     758 training and 203 held-out problems docs/reference.md gives (the study's claim 5 ran on this split)."""
@@ -182,6 +183,7 @@ def test_the_additions_task_is_the_one_the_reference_describes():
     assert (len(tr), len(te)) == (758, 203) and te[0].prompt == "What is 0 + 4?"
     reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
     assert "(758 train, 203\nheld out by prompt hash)" in reference
+
 
 def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
     """--eval-dataset is not split, so one row is enough (a --dataset that is split needs two)."""

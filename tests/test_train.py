@@ -90,6 +90,7 @@ def test_the_schedule_spans_every_optimizer_step_of_the_run(tmp_path, tiny_polic
     rows = [json.loads(line) for line in (tmp_path / "gspo-s0" / "metrics.jsonl").open()]
     assert [r["charts/lr"] for r in rows if "charts/lr" in r] == [pytest.approx(SMALL["lr"] / 2), 0.0]
 
+
 def test_on_policy_run_skips_pi_old_and_nothing_clips(tmp_path, tiny_policy_dir, capsys):
     _, metrics, _ = run(tmp_path, tiny_policy_dir, algo="grpo", num_minibatches=1, save_model=False)
     assert "fully on-policy" in capsys.readouterr().out

@@ -453,6 +453,7 @@ def test_the_length_exponent_skips_a_quartile_with_no_spread():
                 for q in range(1, 5)}} for step in (1, 2, 3)]
     assert data.length_exponent({"rows": rows}) == pytest.approx(0.5)
 
+
 def test_the_fits_slope_is_least_squares_in_exactly_rounded_sums():
     """data.slope replaces numpy's polyfit (LAPACK, whose last bits differ between CPUs) for the length exponent and
     the within-sequence slope: the same least-squares answer, and order-free sums (the same bits whatever the CPU)."""
