@@ -356,6 +356,44 @@ def test_out_of_memory_is_blamed_on_the_optimizer_step_only_while_one_runs(tmp_p
             raise oom  # then the next forward runs out
     assert not isinstance(raised.value, OptimizerOutOfMemory) and "out of memory in step 2" in str(raised.value)
 
+def test_a_step_that_fails_before_its_first_update_saves_the_state_it_started_from_in_one_process_only(tmp_path):
+    """StepFailures: dynamic sampling that gives up, or out of memory before the step's first optimizer step, saves
+    the step before with the RNG stream and prompt cursor the failed step started from, so a resume draws the same
+    prompts again; under torchrun the same out of memory saves nothing (a save needs every rank, and the others are
+    not failing) and names the latest checkpoint."""
+    from base.errors import DynamicSamplingError, OutOfMemory
+
+    policy = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    gen = torch.Generator().manual_seed(0)
+    stream = runs.PromptStream([task.Example(f"{i} mod 3 =", str(i % 3)) for i in range(6)], seed=0)
+    stream.take(2)
+    saved = []
+
+    def save(step, rng=None, cursor=None):
+        saved.append((step, rng, cursor))
+        return tmp_path / f"step-{step}"
+
+    started = gen.get_state()
+    for world_size, error in ((1, DynamicSamplingError("no mixed groups")), (1, RuntimeError("CUDA out of memory.")),
+                              (2, RuntimeError("CUDA out of memory."))):
+        failures = lifecycle.StepFailures(save if world_size == 1 else lambda *a: pytest.fail("saved"), tmp_path,
+                                          "resume", gen, stream, scheduler, world_size, optimizer, policy)
+        with pytest.raises((DynamicSamplingError, OutOfMemory)) as raised:
+            with failures(3):
+                stream.take(4)  # the failed step's draws
+                torch.rand(2, generator=gen)
+                raise error
+        if world_size == 1:
+            step, rng, cursor = saved.pop()
+            assert (step, cursor) == (2, 2) and torch.equal(rng["generator"], started), str(raised.value)
+            assert f"aved {tmp_path / 'step-2'}" in str(raised.value)
+        else:
+            assert "no checkpoint to resume" in str(raised.value) and not saved
+        stream.cursor = 2
+        gen.set_state(started)
+
 
 def test_the_schedules_a_resume_with_more_steps_changes_are_those_that_span_the_total():
     """lifecycle.SPAN_FREE_SCHEDULES: the schedules whose learning rate at a step does not depend on the number of

@@ -481,7 +481,8 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys, tiny
 def test_the_watch_warns_on_streaks_only_and_counts_only_fully_skipped_steps(capsys):
     """lifecycle.Watch's thresholds, step by step: the cut-off warning needs more than half truncated in 3 steps in a
     row (a step at 0.5 or below resets the streak) and prints once; a step stops the streak of non-finite steps
-    unless every one of its updates was skipped."""
+    unless every one of its updates was skipped; the no-correct warning comes after 5 steps without a correct
+    completion, once, and never after a step with one."""
     watch = lifecycle.Watch(limit=2, updates_per_step=4, answer_format="tags", max_new_tokens=7, reference="3")
     step = lambda frac, skipped=0, acc=0.5: {"charts/truncated_frac": frac, "losses/skipped_updates": skipped,  # noqa: E731
                                             "charts/accuracy": acc}
@@ -496,6 +497,15 @@ def test_the_watch_warns_on_streaks_only_and_counts_only_fully_skipped_steps(cap
     watch.check(10, step(0.0, skipped=4))
     with pytest.raises(lifecycle.NonFiniteError, match="2 steps in a row .*last finite step: 9"):
         watch.check(11, step(0.0, skipped=4))
+    for correct_at in (None, 3):
+        watch = lifecycle.Watch(limit=9, updates_per_step=4, answer_format="tags", max_new_tokens=7, reference="3")
+        for i in range(1, 5):
+            watch.check(i, step(0.0, acc=0.25 if i == correct_at else 0.0))
+        assert "scored correct" not in capsys.readouterr().out  # 4 steps: not yet
+        for i in (5, 6):
+            watch.check(i, step(0.0, acc=0.0))
+        assert capsys.readouterr().out.count("no completion of the first 5 steps was scored correct") == \
+            (1 if correct_at is None else 0)
 
 
 def degenerate_batches():
