@@ -356,11 +356,12 @@ def test_out_of_memory_is_blamed_on_the_optimizer_step_only_while_one_runs(tmp_p
             raise oom  # then the next forward runs out
     assert not isinstance(raised.value, OptimizerOutOfMemory) and "out of memory in step 2" in str(raised.value)
 
+
 def test_a_step_that_fails_before_its_first_update_saves_the_state_it_started_from_in_one_process_only(tmp_path):
     """StepFailures: dynamic sampling that gives up, or out of memory before the step's first optimizer step, saves
     the step before with the RNG stream and prompt cursor the failed step started from, so a resume draws the same
     prompts again; under torchrun the same out of memory saves nothing (a save needs every rank, and the others are
-    not failing) and names the latest checkpoint."""
+    not failing) and names the latest checkpoint (here none, which it says)."""
     from base.errors import DynamicSamplingError, OutOfMemory
 
     policy = torch.nn.Linear(4, 4)
