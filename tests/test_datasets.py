@@ -14,6 +14,12 @@ from plumbing import run as runs
 ROWS = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "id": i} for i in range(40)]
 
 
+def ten_rows(folder: Path) -> str:
+    """A training file of ten rows, "10 mod 3 =" to "19 mod 3 =", in folder/train.jsonl; its path."""
+    path = folder / "train.jsonl"
+    task.write_jsonl(path, [task.Example(f"{n} mod 3 =", str(n % 3)) for n in range(10, 20)])
+    return str(path)
+
 def test_parquet_file_with_gsm8k_answers(tmp_path):
     path = tmp_path / "gsm.parquet"
     Dataset.from_list(ROWS).to_parquet(str(path))
@@ -155,9 +161,7 @@ def test_an_embedded_task_s_held_out_split_is_a_held_out_set(tmp_path):
     args = runs.resolve(train.Args(eval_dataset="embedded-long"))[0]
     tr, te = runs.load_data(args)
     assert (tr, te) == (short_train, long_test) and not {e.prompt for e in te} & {e.prompt for e in tr}
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
-                                                  for n in range(10, 20)))
-    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset="embedded-add"))[0]
+    args = runs.resolve(train.Args(dataset=ten_rows(tmp_path), eval_dataset="embedded-add"))[0]
     tr, te = runs.load_data(args)
     assert len(tr) == 10 and te == task.addition_splits()[1]
 
@@ -166,9 +170,7 @@ def test_an_eval_dataset_with_a_test_split_is_evaluated_on_that_split(tmp_path):
     """--eval-dataset naming a dataset with train and test splits: its test split is the held-out set."""
     DatasetDict({"train": Dataset.from_list(ROWS[:30]), "test": Dataset.from_list(ROWS[30:])}) \
         .save_to_disk(str(tmp_path / "gsm"))
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
-                                                  for n in range(10, 20)))
-    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "gsm")))[0]
+    args = runs.resolve(train.Args(dataset=ten_rows(tmp_path), eval_dataset=str(tmp_path / "gsm")))[0]
     tr, te = runs.load_data(args)
     assert len(tr) == 10 and [e.prompt for e in te] == [r["question"] for r in ROWS[30:]]
 
@@ -187,10 +189,8 @@ def test_the_additions_task_is_the_one_the_reference_describes():
 
 def test_a_held_out_set_of_one_row_is_a_held_out_set(tmp_path):
     """--eval-dataset is not split, so one row is enough (a --dataset that is split needs two)."""
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n} mod 3 =", "answer": str(n % 3)}) + "\n"
-                                                  for n in range(10, 20)))
     (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "50 mod 7 =", "answer": "1"}) + "\n")
-    args = runs.resolve(train.Args(dataset=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "one.jsonl")))[0]
+    args = runs.resolve(train.Args(dataset=ten_rows(tmp_path), eval_dataset=str(tmp_path / "one.jsonl")))[0]
     tr, te = runs.load_data(args)
     assert len(tr) == 10 and [(e.prompt, e.answer) for e in te] == [("50 mod 7 =", "1")]
     with pytest.raises(task.TaskError, match="has 1 row"):
