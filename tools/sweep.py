@@ -323,7 +323,7 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
         rows.append({
             "algo": algo, "setting": setting, "runs": len(rs),
             "accuracy_before": float(np.mean([r["summary"]["accuracy_before"] for r in rs])),
-            "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": float(np.std(final)),
+            "accuracy_after_mean": float(np.mean(final)), "accuracy_after_std": seed_sd(final),
             "heldout_accuracy_auc": float(np.mean([heldout_area(r) for r in rs])),
             f"steps_to_{threshold:g}": float(np.nanmean(reach)) if not all(map(math.isnan, reach)) else float("nan"),
             "clip_frac_mean": mean_of("clip/frac"), "token_ratio_var_mean": mean_of("ratio/token_var"),
@@ -331,6 +331,12 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
             "minutes_mean": float(np.mean([r["summary"]["rl_minutes"] for r in rs])),
         })
     return rows
+
+
+def seed_sd(values: list[float]) -> float:
+    """The sample standard deviation over seeds (n - 1 in the denominator, as the study's intervals use): the spread
+    one more seed would show. nan for one seed, which has none."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
 
 
 def detail_tables(runs: list[dict]) -> list[str]:
@@ -462,7 +468,7 @@ def write_readme(readme: Path, table: str) -> None:
 
 
 def spread(mean: float, std: float, n: int) -> str:
-    """'mean ± std' over seeds; one seed has no spread to show."""
+    """'mean ± sd' over seeds (seed_sd); one seed has no spread to show."""
     return f"{mean:.3f} (1 seed)" if n == 1 else f"{mean:.3f} ± {std:.3f}"
 
 
@@ -542,7 +548,7 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
         writer.writerows(rows)
     fmt = lambda v: "n/a" if isinstance(v, float) and math.isnan(v) else f"{v:.3g}" if isinstance(v, float) \
         else str(v)  # noqa: E731
-    lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± std) | "
+    lines = [f"# {title}", "", "| algo | swept setting | runs | accuracy before | accuracy after (mean ± sd) | "
              f"held-out accuracy, mean over evaluations | steps to {threshold:g} | mean clip fraction | "
              "mean token-ratio variance | length change | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -553,7 +559,8 @@ def write_report(runs: list[dict], out: Path, threshold: float, title: str) -> d
                      f"{fmt(r['token_ratio_var_mean'])} | "
                      f"{'n/a' if math.isnan(r['length_change']) else format(r['length_change'], '+.1f')} | "
                      f"{r['minutes_mean']:.1f} |")
-    lines += ["", "(Held-out accuracy, mean over evaluations: every evaluation after training began, averaged, the "
+    lines += ["", "(Accuracy after: the mean over seeds ± their sample standard deviation (n - 1). Held-out "
+              "accuracy, mean over evaluations: every evaluation after training began, averaged, the "
               "area under the held-out learning curve per evaluation; it tells apart objectives that end alike but "
               "learn at different speeds. Steps to the threshold: the first evaluated step at or above "
               "it, n/a where none was; it cannot be finer than --eval-every. Clip fraction: of sequences for "

@@ -203,3 +203,16 @@ def test_steps_to_a_threshold_counts_reaching_it_and_drift_needs_two_whole_windo
     rows = {"rows": [{"step": s, "charts/completion_len": float(s)} for s in range(1, 31)]}
     assert sweep.drift(rows, "charts/completion_len") == pytest.approx(25.5 - 5.5)  # last 10 minus first 10
     assert math.isnan(sweep.drift({"rows": rows["rows"][:19]}, "charts/completion_len"))  # the windows would overlap
+
+
+def test_the_spread_over_seeds_is_the_sample_standard_deviation():
+    """'mean ± sd' over seeds divides by n - 1, as the study's intervals do (README's grpo row: dividing by n gave
+    0.062 for 0.076, a spread too narrow by a factor sqrt(3/2)); one seed has none."""
+    assert sweep.seed_sd([0.758, 0.909, 0.818]) == pytest.approx(0.0760, abs=1e-4)
+    assert sweep.seed_sd([0.2, 0.4]) == pytest.approx(0.2 / math.sqrt(2))
+    assert math.isnan(sweep.seed_sd([0.5]))
+    logged = [{"step": 1, "clip/frac": 0.1, "ratio/token_var": 0.1, "charts/completion_len": 5.0}]
+    rows = sweep.summary_rows([{"config": {"algo": "gspo", "seed": s}, "axes": {}, "rows": logged,
+                                "summary": {"accuracy_before": 0.2, "accuracy_after": a, "rl_minutes": 1.0}}
+                               for s, a in ((0, 0.2), (1, 0.4))], 0.6)
+    assert rows[0]["accuracy_after_std"] == pytest.approx(0.2 / math.sqrt(2))
