@@ -110,6 +110,7 @@ FLAGS = [
     (["--num-prompts", "abc"], "--num-prompts"),  # tyro's parse errors are one line too
     (["--no-such-flag"], "--no-such-flag"),
     (["--save-evry", "1"], "Unrecognized options: --save-evry, 1; did you mean --save-every?"),  # tyro's suggestion
+    (["--epsilon-hi", "0.1"], "did you mean --epsilon-high or --epsilon?"),  # tyro's suggestions, closest first
     (["--learning-rate", "1e-6"], "--learning-rate is TRL's name; here: --lr"),
     (["--model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct"], "--model_name_or_path is TRL's name; here: --model"),
     (["--num-iterations", "2"], "--num-iterations is TRL's name; here: --num-epochs"),  # (tyro: --num-generations)
@@ -280,6 +281,80 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
         flags.validate(args(num_prompts=8, num_minibatches=1), world_size=3)
     with pytest.raises(errors.ConfigError, match="each process's 4x8 rows; use one of 1, 2, 4, 8, 16, 32 "):
         flags.validate(args(num_prompts=8, num_minibatches=3), world_size=2)
+
+
+EDGES = [  # (field, the value on the edge: accepted, the value just past it: refused, other fields)
+    ("num_generations", 2, 1, {}), ("num_prompts", 1, 0, {}), ("num_minibatches", 1, 0, {}),
+    ("logprob_chunk", -1, -2, {}), ("threads", 0, -1, {}), ("total_steps", 0, -1, {}),
+    ("max_new_tokens", 1, 0, {}), ("max_new_tokens", 127, 128, {}),  # the embedded model's context: 128
+    ("temperature", 0.01, 0.0099, {}), ("lr", 1e-12, 0.0, {}), ("warmup_steps", 0, -1, {}),
+    ("max_grad_norm", 1e-12, 0.0, {}), ("weight_decay", 0.0, -1e-12, {}),
+    ("epsilon", 1e-12, 0.0, {}), ("epsilon", 0.999, 1.0, {}), ("epsilon", 1.0, 1.001, dict(algo="cispo")),
+    ("epsilon_high", 0.0, -1e-12, {}), ("beta", 0.0, -1e-12, {}), ("num_epochs", 1, 0, {}),
+    ("micro_batch_size", 0, -1, {}), ("max_sampling_rounds", 1, 0, {}),
+    ("overlong_cache", 1, 0, dict(algo="dapo")), ("overlong_cache", 64, 65, dict(algo="dapo", max_new_tokens=64)),
+    ("eval_every", 1, 0, {}), ("eval_size", 0, -1, {}), ("eval_samples", 0, -1, {}),
+    ("eval_samples", 1024, 1025, {}), ("save_every", 0, -1, {}), ("log_completions_every", 0, -1, {}),
+    ("keep_checkpoints", 1, 0, {}), ("max_nonfinite_steps", 1, 0, {}), ("seed", 0, -1, {}),
+    ("seed", 2**32 - 1, 2**32, {}), ("entropy_target", 1e-12, 0.0, {}), ("format_weight", 0.0, -1e-12, {}),
+    ("overlong_weight", 0.0, -1e-12, {}), ("wandb_tags", ("x" * 64,), ("x" * 65,), {}),
+    ("wandb_tags", ("x",), ("",), {}), ("lora_rank", 0, -1, {}), ("lora_alpha", 1e-12, 0.0, dict(lora_rank=4)),
+    ("rollout_correction_max", 1e-12, 0.0, dict(rollout_correction="token_truncate")),
+    ("rollout_correction_min", 0.999, 1.0, dict(rollout_correction="token_mask", rollout_correction_max=1.0)),
+]
+
+
+@pytest.mark.parametrize("field, edge, past, other", EDGES, ids=[f"{e[0]}={e[1]!r}" for e in EDGES])
+def test_every_numeric_rule_accepts_its_edge_and_refuses_the_value_past_it(field, edge, past, other):
+    """Each bound of CHECKS on both sides: the value on the edge validates, the nearest value past it is one
+    ConfigError naming the flag (a rule moved by one, or < written for <=, fails here)."""
+    from plumbing import flags
+
+    flags.validate(runs.resolve(train.Args(**other, **{field: edge}))[0])
+    with pytest.raises(errors.ConfigError, match="--" + field.replace("_", "-")):
+        flags.validate(runs.resolve(train.Args(**other, **{field: past}))[0])
+
+
+def test_the_rules_that_read_the_machine_accept_their_edge(monkeypatch):
+    """The bounds that read the machine or torch, on both sides: P prompts over 2 processes, one GPU per process
+    (as many processes as GPUs is fine), a cuda:N that exists, --fsdp on the CPU from torch 2.11."""
+    import torch
+
+    from plumbing import flags
+
+    args = runs.resolve(train.Args())[0]
+    with pytest.raises(errors.ConfigError, match="--num-prompts 3 is not divisible by the 2 processes"):
+        flags.validate(runs.resolve(train.Args(num_prompts=3, num_minibatches=1))[0], world_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    flags.validate(args, world_size=2)  # two processes, two GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(errors.ConfigError, match="torchrun starts 3 processes on this machine but it has 2 GPU"):
+        flags.validate(args, world_size=2)
+    flags.check_device("cuda:1")
+    with pytest.raises(errors.ConfigError, match="--device cuda:2: only 2 CUDA device"):
+        flags.check_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cpu")
+    flags.check_fsdp(train.Args(fsdp=True, device="cpu"))
+    monkeypatch.setattr(torch, "__version__", "2.10.9+cpu")
+    with pytest.raises(errors.ConfigError, match="--fsdp on the CPU needs torch 2.11"):
+        flags.check_fsdp(train.Args(fsdp=True, device="cpu"))
+
+
+def test_a_prompt_that_fills_the_context_with_the_budget_exactly_fits():
+    """check_prompt_lengths: prompt tokens + --max-new-tokens up to the context are accepted, one more is refused
+    (the embedded tokenizer: a token per character, no chat template)."""
+    import model as models
+    import task
+    from plumbing import flags
+
+    tokenizer, rows = models.build_tokenizer(), [task.Example("12 mod 5 =", "2"), task.Example("1 mod 1 =", "0")]
+    flags.check_prompt_lengths(tokenizer, 20, rows, 10, "tags")  # the longest prompt: 10 tokens
+    with pytest.raises(errors.ConfigError, match="prompt 0 .* has 10 tokens; with --max-new-tokens 11 it exceeds"):
+        flags.check_prompt_lengths(tokenizer, 20, rows, 11, "tags")
 
 
 @pytest.mark.parametrize("where", ["proc", "file"])
@@ -687,6 +762,8 @@ def test_an_on_off_flag_also_takes_true_or_false():
                            (["--mask_truncated=true"], True), (["--mask-truncated", "False"], False),
                            (["--no-mask-truncated", "false"], True), (["--no-mask-truncated"], False), ([], False)):
         assert parsed(argv).mask_truncated is expected, argv
+    # a value after --x=v is not read as the switch's value too (the stray word is left for tyro to refuse)
+    assert flags.switch_values(cli, ["--mask-truncated=true", "false"]) == ["--mask-truncated", "false"]
     args = parsed(["--save-model=False", "--fsdp", "TRUE", "--dynamic-sampling", "False", "--lr", "1e-5"])
     assert (args.save_model, args.fsdp, args.dynamic_sampling, args.lr) == (False, True, False, 1e-5)
 
