@@ -216,3 +216,125 @@ def test_the_spread_over_seeds_is_the_sample_standard_deviation():
                                 "summary": {"accuracy_before": 0.2, "accuracy_after": a, "rl_minutes": 1.0}}
                                for s, a in ((0, 0.2), (1, 0.4))], 0.6)
     assert rows[0]["accuracy_after_std"] == pytest.approx(0.2 / math.sqrt(2))
+
+
+def test_set_values_given_as_separate_words_are_each_an_axis():
+    """`--set lr=1e-4,3e-4 num_minibatches=2,4` (one --set, several words) gathers every word, as repeated --set
+    flags do."""
+    argv = ["--set", "lr=1e-4,3e-4", "num_minibatches=2,4", "--total-steps", "3"]
+    assert sweep.merge_set_flags(argv) == ["--total-steps", "3", "--set", "lr=1e-4,3e-4", "num_minibatches=2,4"]
+
+
+def test_a_crashed_run_is_rerun_and_every_run_gets_its_share_of_the_cores(tmp_path, monkeypatch, capsys):
+    """launch: exit code 2 (train.py refused it: it would again) is skipped on a rerun, any other failure (a crash,
+    a kill) is run again from an empty folder; the command saves no model (a sweep reads metrics) and
+    OMP_NUM_THREADS is the cores over --parallel. run_grid: a run that exits 0 without summary.json (a signal
+    stopped it) is 'stopped early', not done."""
+    calls = []
+
+    def fake_call(cmd, env, **kw):
+        calls.append((cmd, env["OMP_NUM_THREADS"]))
+        return 0
+
+    monkeypatch.setattr(sweep.subprocess, "call", fake_call)
+    run = {"algo": "gspo", "seed": "0", "run_name": "r", "log_prefix_spread": True}  # True: a switch (the study's)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "stale.txt").write_text("from the crashed run")
+    (tmp_path / "r" / "sweep_exit.json").write_text(json.dumps({"exit_code": 1}))
+    assert sweep.launch(run, "t", [], tmp_path, 3)[2] == 0 and len(calls) == 1
+    assert not (tmp_path / "r" / "stale.txt").exists()
+    assert "--no-save-model" in calls[0][0] and calls[0][0][-1] == "--log-prefix-spread" and calls[0][1] == "3"
+    (tmp_path / "r" / "sweep_exit.json").write_text(json.dumps({"exit_code": 2}))
+    assert sweep.launch(run, "t", [], tmp_path, 3)[2] == -2 and len(calls) == 1
+
+    shares = []
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(sweep, "launch",
+                        lambda f, name, a, d, threads: shares.append(threads) or (f["run_name"], 1.0, 0))
+    sweep.run_grid([{"run_name": "a", "seed": "0"}, {"run_name": "b", "seed": "0"}], "t", ["--model", "m"], tmp_path, 2)
+    assert shares == [4, 4]
+    assert "a: stopped early" in capsys.readouterr().out
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text("{}")
+    sweep.run_grid([{"run_name": "a", "seed": "0"}, {"run_name": "b", "seed": "0"}], "t", ["--model", "m"], tmp_path, 2)
+    out = capsys.readouterr().out
+    assert "a: done in" in out and "b: stopped early" in out and "t: 2 runs, 1 finished, 1 not" in out
+
+
+def test_warm_starts_are_built_once_per_seed_and_dataset_and_not_for_another_model(monkeypatch):
+    import model
+
+    built = []
+    monkeypatch.setattr(model, "warm_start", lambda seed, settings: built.append((seed, settings)))
+    runs = [{"seed": "1"}, {"seed": "0"}, {"seed": "0", "dataset": "embedded-long"}, {"seed": "1"}]
+    sweep.warm_starts_first(runs, [])
+    assert built == [(0, model.WARM_START), (0, model.WARM_START_LONG), (1, model.WARM_START)]
+    built.clear()
+    sweep.warm_starts_first(runs, ["--model", "some/folder"])
+    assert built == []
+
+
+def test_packed_data_is_the_same_bytes_whenever_it_is_packed(tmp_path, monkeypatch):
+    """gzip writes the time into its header unless told otherwise: the committed data would change at every repack."""
+    import gzip
+
+    for later in ("a", "b"):  # (the header names the file too: the same name in two folders)
+        (tmp_path / later).mkdir()
+        sweep.write_jsonl_gz(tmp_path / later / "run.jsonl.gz", [{"x": 1}, "{\"y\": 2}"])
+        monkeypatch.setattr(gzip.time, "time", lambda: 2_000_000_000.0)
+    assert (tmp_path / "a" / "run.jsonl.gz").read_bytes() == (tmp_path / "b" / "run.jsonl.gz").read_bytes()
+    assert sweep.read_jsonl_gz(tmp_path / "a" / "run.jsonl.gz") == [{"x": 1}, {"y": 2}]
+
+
+def test_the_sweeps_own_flags_on_their_edges():
+    """--parallel 1 and --threshold 0 or 1 are accepted, --parallel 0 and a threshold outside [0, 1] refused;
+    --report-only needs no algos or seeds."""
+    sweep.settings(["--parallel", "1", "--threshold", "0"])
+    sweep.settings(["--threshold", "1"])
+    sweep.settings(["--report-only", "--seeds"])
+    for argv, message in [(["--parallel", "0"], "--parallel 0"), (["--threshold", "1.01"], "--threshold 1.01"),
+                          (["--threshold", "-0.01"], "--threshold -0.01")]:
+        with pytest.raises(sweep.SweepError, match=re.escape(message)):
+            sweep.settings(argv)
+
+
+def test_the_plots_draw_a_band_on_the_shared_steps_and_count_their_points():
+    """mean_band: the mean over runs on the steps every run logged, with a min-max band; styles_of: one colour per
+    objective, a line style per setting; plotted_points counts points, not lines; a length quartile whose values are
+    all 0 (on-policy: nothing on a log axis) gives no point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [{"rows": [{"step": s, "k": float(s)} for s in (1, 2, 3)]}, {"rows": [{"step": s, "k": 2.0 * s}
+                                                                              for s in (2, 3, 4)]}]
+    fig, ax = plt.subplots()
+    sweep.mean_band(ax, runs, "k", "both", color="tab:blue")
+    line, = ax.get_lines()
+    assert list(line.get_xdata()) == [2, 3] and list(line.get_ydata()) == [3.0, 4.5]
+    assert len(ax.collections) == 1  # the band
+    assert sweep.plotted_points(fig) == 2
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    sweep.legend(ax)  # a panel without labelled lines gets no legend (matplotlib would warn)
+    assert ax.get_legend() is None
+    plt.close(fig)
+    styles = sweep.styles_of({("gspo", "lr=1"): [], ("gspo", "lr=2"): [], ("grpo", "lr=1"): []})
+    assert styles[("gspo", "lr=1")]["color"] == styles[("gspo", "lr=2")]["color"] != styles[("grpo", "lr=1")]["color"]
+    assert styles[("gspo", "lr=1")]["linestyle"] == styles[("grpo", "lr=1")]["linestyle"] != \
+        styles[("gspo", "lr=2")]["linestyle"]
+    zero = [{"rows": [{"step": 1, "lenbucket/q1_len": 10.0, "lenbucket/q1_std_logsum": 0.0}]}]
+    assert sweep.length_bucket_points(zero, "std_logsum") == []
+
+
+def test_a_detail_cell_is_a_dash_where_any_run_of_its_group_lacks_the_metric():
+    """A group whose runs were logged before a preset existed (one run of two has its shadow clip fraction) shows
+    '-', not a mean over the runs that have it."""
+    runs = [{"config": {"algo": "gspo", "seed": s}, "summary": {"accuracy_before": 0.2}, "axes": {},
+             "rows": [{"step": 1, **({"clip/shadow_gspo": 0.5} if s == 0 else {"clip/shadow_grpo": 0.1})}]}
+            for s in (0, 1)]
+    table = sweep.detail_tables(runs)
+    assert "| gspo | - |" in table and "| grpo | - |" in table
+    runs[1]["rows"][0]["clip/shadow_gspo"] = 0.25
+    assert "| gspo | 0.375 |" in sweep.detail_tables(runs)
