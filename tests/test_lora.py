@@ -127,3 +127,20 @@ def test_an_adapter_over_a_gguf_base_saves_without_peft_warning_of_a_missing_con
         models.save_pretrained(policy, tmp_path / "ours")
     assert not any("Could not find a config file" in str(w.message) for w in seen)
     assert (tmp_path / "ours" / "adapter_model.safetensors").is_file()
+
+
+
+def test_a_lora_final_without_merge_lora_holds_the_adapter_alone_in_fp32(tmp_path, tiny_policy_dir):
+    """save_final without --merge-lora writes the adapter and tokenizer, no merged copy of the base; the adapter keeps
+    the fp32 it trained in even where the base's own dtype is bf16 (only a whole model is published in its own)."""
+    plain, tok = models.load_model(str(tiny_policy_dir), torch.device("cpu"), torch.float32)
+    plain.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tok.save_pretrained(tmp_path / "bf16")
+    base, tok = models.load_model(str(tmp_path / "bf16"), torch.device("cpu"), torch.float32)
+    assert not models.is_lora(base) and models.published_dtype(base) == torch.bfloat16
+    policy = models.add_lora(base, 4, 8.0, models.LORA_TARGETS)
+    assert models.is_lora(policy)
+    models.save_final(policy, tok, tmp_path / "final", merge=False)
+    adapter = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    assert adapter and all(v.dtype == torch.float32 for v in adapter.values())
+    assert not (tmp_path / "final" / "merged").exists() and not (tmp_path / "final" / "model.safetensors").exists()

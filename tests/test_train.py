@@ -613,3 +613,26 @@ def test_kl_in_reward_lowers_each_reward_by_beta_times_its_kl_before_the_advanta
         assert (reward <= raw + 1e-6).all()
     penalty = torch.tensor(batches[1].scores["reward"]) - calls[1][0]  # after one update the policy has moved
     assert penalty.min() >= -1e-6 and penalty.max() > 1e-4
+
+
+def test_warm_start_recipes_caches_and_chunks(tmp_path):
+    """The long task alone has its own recipe (embedded-long; its instruct phrasing takes the default's, as every
+    other embedded dataset); a cache given is where the warm start goes even when one is shipped; and the long
+    recipe's length-sorted chunks weigh each by its tokens: two steps in chunks of 2 train the same weights as in one
+    padded batch of 4."""
+    import model as models
+
+    assert models.warm_start_settings("embedded-long") is models.WARM_START_LONG
+    for name in ("embedded", "embedded-instruct", "embedded-long-instruct", "embedded-add"):
+        assert models.warm_start_settings(name) is models.WARM_START
+    shipped = models.warm_start_path(0, models.WARM_START)
+    assert shipped.parent == models.SHIPPED
+    assert models.warm_start_path(0, models.WARM_START, cache=tmp_path) == tmp_path / shipped.name
+    recipe = dict(version=1, task="long", steps=2, batch_size=4, lr=1e-2, slip_prob=0.6, hidden=16, layers=1,
+                  max_positions=512)
+    whole = models.warm_start(0, recipe, cache=tmp_path / "whole", quiet=True)
+    chunked = models.warm_start(0, {**recipe, "sft_chunk": 2}, cache=tmp_path / "chunked", quiet=True)
+    from safetensors.torch import load_file
+
+    a, b = load_file(whole / "model.safetensors"), load_file(chunked / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

@@ -1000,3 +1000,29 @@ def test_fsdp_on_the_cpu_with_a_torch_before_2_11_is_one_line(tmp_path, capsys, 
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flags.check_fsdp(train.Args(fsdp=True, device="cuda"))  # a GPU: FSDP2 from 2.6
+
+
+def test_what_load_model_reads_as_a_path_and_what_it_refuses_there(tmp_path, tiny_policy_dir):
+    """A name starting with '.', or with two or more '/', is a path (a hub id has one): missing, it is one line, not
+    a hub lookup. A '.gguf' that is a folder, and a folder holding a LoRA adapter alone, are refused with the way
+    out."""
+    import torch
+
+    import model as models
+
+    cpu = torch.device("cpu")
+    for name in ("./no-such-model", "runs/no-such-run/final"):
+        with pytest.raises(models.ModelError, match=f"model path {re.escape(name)} does not exist"):
+            models.load_model(name, cpu, torch.float32)
+    (tmp_path / "m.gguf").mkdir()
+    with pytest.raises(models.ModelError, match="is not a file; pass the path to a .gguf model file"):
+        models.load_model(str(tmp_path / "m.gguf"), cpu, torch.float32)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(models.ModelError, match="holds a LoRA adapter, not a whole model; train with --merge-lora"):
+        models.load_model(str(tmp_path / "adapter"), cpu, torch.float32)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_policy_dir, broken)
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    with pytest.raises(models.ModelError, match="could not load model .*no_such_architecture"):  # the loader's words
+        models.load_model(str(broken), cpu, torch.float32)

@@ -672,17 +672,22 @@ def test_a_template_less_model_whose_tokenizer_adds_bos_gets_it():
     assert prompt == "<s>7 mod 3 =" and tok(prompt, add_special_tokens=False)["input_ids"][0] == tok.bos_token_id
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt"])
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
 def test_dropout_is_off_so_an_unchanged_policy_scores_alike_twice(family, tmp_path):
     """GPT-2 and OPT keep dropout in their configs (0.1 by default); in train mode it made pi_old and the update
-    score one sequence differently, so the ratio of an unchanged policy was not 1."""
+    score one sequence differently, so the ratio of an unchanged policy was not 1. Llama's is a float attribute of
+    its attention (attention_dropout), not a module."""
     import model as models
-    from transformers import AutoModelForCausalLM, GPT2Config, OPTConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
 
-    config = (GPT2Config(vocab_size=120, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
-                         attn_pdrop=0.5, bos_token_id=1, eos_token_id=1) if family == "gpt2" else
-              OPTConfig(vocab_size=120, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
-                        word_embed_proj_dim=32, dropout=0.5, attention_dropout=0.5))
+    config = {"gpt2": lambda: GPT2Config(vocab_size=120, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.5,
+                                         embd_pdrop=0.5, attn_pdrop=0.5, bos_token_id=1, eos_token_id=1),
+              "opt": lambda: OPTConfig(vocab_size=120, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                       num_attention_heads=2, word_embed_proj_dim=32, dropout=0.5,
+                                       attention_dropout=0.5),
+              "llama": lambda: LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2,
+                                           attention_dropout=0.5)}[family]()
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tok = models.build_tokenizer()
@@ -807,3 +812,52 @@ def test_final_is_saved_in_the_models_own_dtype_with_its_own_generation_config(t
     assert (saved["temperature"], saved["top_p"], saved["do_sample"]) == (0.6, 0.9, True)
     policy, _ = models.load_model(str(final), torch.device("cpu"), torch.float32)
     assert policy.own_dtype == torch.bfloat16
+
+
+def test_the_precision_helpers_keep_what_autocast_keeps_in_fp32():
+    """linears_as_computed stores a frozen model's linear layers in the compute dtype but not the embeddings (a head
+    tied to them included) nor a head that head_in_fp32 keeps in fp32; head_in_fp32 turns a bf16 head (a LoRA
+    base's) into fp32 weights, and its logits are fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = models.build_tokenizer()
+    tied = models.linears_as_computed(models.compute_in(models.build_tiny_model(tok, hidden=32, layers=1),
+                                                        torch.bfloat16))
+    assert tied.model.embed_tokens.weight.dtype == torch.float32 and tied.lm_head.weight is \
+        tied.model.embed_tokens.weight
+    assert tied.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    untied = models.head_in_fp32(models.compute_in(LlamaForCausalLM(config), torch.bfloat16))
+    assert models.linears_as_computed(untied).lm_head.weight.dtype == torch.float32
+    bf16_base = models.head_in_fp32(models.compute_in(LlamaForCausalLM(config).to(torch.bfloat16), torch.bfloat16))
+    assert bf16_base.lm_head.weight.dtype == torch.float32
+    assert bf16_base(input_ids=torch.tensor([[5, 6, 7]])).logits.dtype == torch.float32
+
+
+def test_what_a_model_folder_says_before_it_is_loaded(tmp_path):
+    """context_without_loading reads max_position_embeddings, or GPT-2's n_positions; a value that is not a positive
+    whole number is no context. name_in_config names the transformers class under FSDP's subclass."""
+    from transformers import LlamaForCausalLM
+
+    for config, context in (({"n_positions": 1024}, 1024), ({"max_position_embeddings": 4096}, 4096),
+                            ({"max_position_embeddings": -1}, None), ({"max_position_embeddings": "8k"}, None)):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert models.context_without_loading(str(tmp_path), "embedded") == context, config
+    fsdp_class = type("FSDPLlamaForCausalLM", (LlamaForCausalLM,), {})
+    models.name_in_config(tmp_path, fsdp_class.__new__(fsdp_class), dtype="bfloat16")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["dtype"] == "bfloat16"
+
+
+def test_a_tokenizer_without_pad_pads_with_eos_and_a_plain_character_after_a_turn_is_no_stop():
+    """prepare: no pad token -> EOS pads (the first EOS of a row is kept in its mask); end_of_turn_id: a template
+    whose assistant turn ends in plain characters has no end-of-turn token (stopping at the first of them would
+    cut completions short)."""
+    tok = models.build_tokenizer()
+    tok.pad_token = None
+    model, tok = models.prepare(models.build_tiny_model(tok, hidden=32, layers=1), tok, torch.device("cpu"))
+    assert tok.pad_token == tok.eos_token
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} |{% endfor %}"
+    assert models.end_of_turn_id(tok) is None
+    assert models.stop_ids(model.generation_config, tok) == [tok.eos_token_id]

@@ -204,3 +204,12 @@ def test_exporting_shards_whose_config_names_its_own_code_is_refused_before_read
     with pytest.raises(models.ModelError, match="needs its own Python code"):
         checkpoint.export(tmp_path / "step", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_config_that_maps_to_its_own_code_is_refused(tmp_path):
+    """The tokenizer's config can name code too (auto_map in tokenizer_config.json): refused like the model's."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.Tok", None]}}))
+    with pytest.raises(models.ModelError, match=r"needs its own Python code to load \(tokenizer_config.json has "
+                                                r"auto_map: AutoTokenizer\)"):
+        models.refuse_custom_code(tmp_path)
