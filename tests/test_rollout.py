@@ -349,3 +349,43 @@ def test_decode_stops_at_the_first_eos_whatever_follows_it():
     ro = rollout.Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), completion, mask,
                          truncated)
     assert rollout.decode(tok, ro) == [tok.decode(ids), tok.decode(ids + after)]
+
+
+def test_a_chat_prompt_carries_the_answer_formats_instruction():
+    """A model with a chat template is told where the verifier reads the answer (rewards.INSTRUCTIONS)."""
+    import rewards
+
+    tok = models.build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for answer_format in ("tags", "last-number", "boxed"):
+        assert rollout.format_prompt(tok, "7 mod 3 =", answer_format) == \
+            f"7 mod 3 =\n{rewards.INSTRUCTIONS[answer_format]}"
+
+
+def test_left_padding_gives_learned_position_embeddings_no_negative_position():
+    """GPT-2 reads a table of learned positions: a left-padded row's pads would sit at position -1 without the clamp
+    (an index error); its completion log-probs equal the same row's without padding."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=120, n_embd=32, n_layer=1, n_head=2,
+                                                        n_positions=16)).eval()
+    padded = rollout.completion_logprobs(model, torch.tensor([[0, 0, 5, 6, 7, 8]]),
+                                         torch.tensor([[0, 0, 1, 1, 1, 1]]), 2)
+    alone = rollout.completion_logprobs(model, torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.long), 2)
+    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-6)
+
+
+def test_the_chunked_heads_bias_gets_its_gradient():
+    """A head with a bias (HeadLogprobs): its gradient, chunk by chunk, equals autograd's through whole logits."""
+    torch.manual_seed(0)
+    h, w, b = (torch.randn(6, 8, dtype=torch.float64, requires_grad=True),
+               torch.randn(20, 8, dtype=torch.float64, requires_grad=True),
+               torch.randn(20, dtype=torch.float64, requires_grad=True))
+    targets, weights = torch.randint(20, (6,)), torch.randn(6, dtype=torch.float64)
+    logp, _ = rollout.HeadLogprobs.apply(h, w, b, targets, 0.7, 4, False, None)
+    mine = torch.autograd.grad((logp * weights).sum(), (h, w, b))
+    whole = torch.log_softmax((h @ w.T + b) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    reference = torch.autograd.grad((whole * weights).sum(), (h, w, b))
+    for got, want in zip(mine, reference):  # (the chunks compute in fp32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -665,11 +665,13 @@ def test_a_template_less_model_whose_tokenizer_adds_bos_gets_it():
     from tokenizers import processors
 
     tok.add_special_tokens({"bos_token": "<s>"})
+    assert rollout.format_prompt(tok, "7 mod 3 =") == "7 mod 3 ="  # a BOS its tokenizer does not add: none added
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
         ("<s>", tok.bos_token_id)])
     assert tok("1")["input_ids"][0] == tok.bos_token_id  # like Llama-2 or Mistral's tokenizers
     prompt = rollout.format_prompt(tok, "7 mod 3 =")
     assert prompt == "<s>7 mod 3 =" and tok(prompt, add_special_tokens=False)["input_ids"][0] == tok.bos_token_id
+    assert rollout.format_prompt(tok, prompt) == prompt  # a prompt that starts with it: one BOS, not two
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
