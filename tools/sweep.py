@@ -334,8 +334,8 @@ def summary_rows(runs: list[dict], threshold: float) -> list[dict]:
 
 
 def seed_sd(values: list[float]) -> float:
-    """The sample standard deviation over seeds (n - 1 in the denominator, as the study's intervals use): the spread
-    one more seed would show. nan for one seed, which has none."""
+    """The sample standard deviation over seeds (n - 1 in the denominator, as the study's intervals use): the usual
+    estimate of the seed-to-seed spread from a few seeds. nan for one seed, which has none."""
     return float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
 
 
