@@ -20,6 +20,7 @@ def ten_rows(folder: Path) -> str:
     task.write_jsonl(path, [task.Example(f"{n} mod 3 =", str(n % 3)) for n in range(10, 20)])
     return str(path)
 
+
 def test_parquet_file_with_gsm8k_answers(tmp_path):
     path = tmp_path / "gsm.parquet"
     Dataset.from_list(ROWS).to_parquet(str(path))

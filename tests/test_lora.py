@@ -129,7 +129,6 @@ def test_an_adapter_over_a_gguf_base_saves_without_peft_warning_of_a_missing_con
     assert (tmp_path / "ours" / "adapter_model.safetensors").is_file()
 
 
-
 def test_a_lora_final_without_merge_lora_holds_the_adapter_alone_in_fp32(tmp_path, tiny_policy_dir):
     """save_final without --merge-lora writes the adapter and tokenizer, no merged copy of the base; the adapter keeps
     the fp32 it trained in even where the base's own dtype is bf16 (only a whole model is published in its own)."""

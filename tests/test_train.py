@@ -620,8 +620,6 @@ def test_warm_start_recipes_caches_and_chunks(tmp_path):
     other embedded dataset); a cache given is where the warm start goes even when one is shipped; and the long
     recipe's length-sorted chunks weigh each by its tokens: two steps in chunks of 2 train the same weights as in one
     padded batch of 4."""
-    import model as models
-
     assert models.warm_start_settings("embedded-long") is models.WARM_START_LONG
     for name in ("embedded", "embedded-instruct", "embedded-long-instruct", "embedded-add"):
         assert models.warm_start_settings(name) is models.WARM_START
@@ -632,7 +630,5 @@ def test_warm_start_recipes_caches_and_chunks(tmp_path):
                   max_positions=512)
     whole = models.warm_start(0, recipe, cache=tmp_path / "whole", quiet=True)
     chunked = models.warm_start(0, {**recipe, "sft_chunk": 2}, cache=tmp_path / "chunked", quiet=True)
-    from safetensors.torch import load_file
-
     a, b = load_file(whole / "model.safetensors"), load_file(chunked / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
