@@ -82,6 +82,112 @@ def test_ratio_diagnostics_equal_their_definitions(algo, eps_high):
     assert diag == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
+
+def gate_slope(w, tau):  # SAPO's f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)), by hand
+    s = 1 / (1 + math.exp(-tau * (w - 1)))
+    return 4 * s * (1 - s)
+
+
+def kernel(w, a):  # VESPO's phi(W) = e^lambda W^k e^(-lambda W), preset (k, lambda): (2, 3) for A >= 0, else (3, 2)
+    k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+    return math.exp(lam) * w ** k * math.exp(-lam * w)
+
+
+SAPO_STEEP = replace(PRESETS["sapo"], sapo_tau_pos=4.5, sapo_tau_neg=5.5)  # steep gates: some units under half
+# Each objective's clip rule by hand: its config, its unit (a token's rho_it, a sequence's s_i, or VESPO's whole W_i,
+# each with its advantage) and the weight it leaves on the unit's gradient, below half of which a unit counts
+# (SAPO's gate, VESPO's kernel), or else whether the unit is clipped.
+RULES = {
+    "clip-token": (replace(PRESETS["dapo"], epsilon=0.2, epsilon_high=0.28), "token", None,
+                   lambda w, a: clipped(w, a, 0.2, 0.28)),
+    "clip-sequence": (replace(PRESETS["gspo"], epsilon=0.2, epsilon_high=0.28), "sequence", None,
+                      lambda w, a: clipped(w, a, 0.2, 0.28)),
+    "cispo": (replace(PRESETS["cispo"], epsilon=0.2, epsilon_high=0.28), "token", None,
+              lambda w, a: not 0.8 <= w <= 1.28),
+    "gmpo": (PRESETS["gmpo"], "token", None,
+             lambda w, a: (a > 0 and math.log(w) > 0.4) or (a < 0 and math.log(w) < -0.4)),
+    "sapo-token": (SAPO_STEEP, "token", lambda w, a: gate_slope(w, 4.5 if a > 0 else 5.5), None),
+    "sapo-sequence": (replace(SAPO_STEEP, importance_sampling_level="sequence"), "sequence",
+                      lambda w, a: gate_slope(w, 4.5 if a > 0 else 5.5), None),
+    "vespo": (PRESETS["vespo"], "whole", kernel, None),
+}
+
+
+def units_of(unit, logp, old, adv):
+    """(ratio, advantage) of each unit of batch()'s valid rows: tokens, sequences (s_i) or whole sequences (W_i)."""
+    rows = [i for i, n in enumerate(LENGTHS) if n]
+    l = {i: [float(logp[i, t] - old[i, t]) for t in range(LENGTHS[i])] for i in rows}
+    if unit == "token":
+        return [(math.exp(x), float(adv[i])) for i in rows for x in l[i]]
+    return [(math.exp(mean(l[i]) if unit == "sequence" else sum(l[i])), float(adv[i])) for i in rows]
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_clip_fraction_counts_each_rules_own_units_by_hand(rule):
+    """clip/frac is the share of the objective's units its rule clips (or leaves under half their gradient), over
+    the valid units only: batch()'s empty row is in no denominator. Where a weight is read, some unit lies between
+    0.4 and 0.5 of it, so the threshold is the one counted."""
+    cfg, unit, weight, is_clipped = RULES[rule]
+    logp, old, adv, mask = batch()
+    units = units_of(unit, logp, old, adv)
+    weights = None if weight is None else [weight(w, a) for w, a in units]
+    counted = [x < 0.5 for x in weights] if weight else [is_clipped(w, a) for w, a in units]
+    assert 0 < sum(counted) < len(counted)  # the rule acts, and not on everything
+    if weights is not None:
+        assert any(0.4 <= x < 0.5 for x in weights), sorted(weights)
+    got = losses.ratio_diagnostics(logp, old, adv, mask, cfg)["clip/frac"]
+    assert got == pytest.approx(sum(counted) / len(counted), rel=1e-12)
+
+
+@pytest.mark.parametrize("rule", [*RULES, "clip_cov", "kl_cov"])
+def test_a_step_of_no_valid_token_logs_zeros_and_of_one_clipped_unit_logs_one(rule):
+    """Every completion masked (--mask-truncated with each one truncated): every diagnostic is 0, none nan. One valid
+    token, which the rule clips: its own share, 1, whatever the unit."""
+    cfg, unit, weight, is_clipped = RULES[rule] if rule in RULES else (replace(PRESETS["grpo"], surrogate=rule),) * 4
+    logp, old, adv, mask = batch()
+    empty = losses.ratio_diagnostics(logp, old, adv, torch.zeros_like(mask), cfg)
+    assert empty == {k: 0.0 for k in empty}
+    if rule not in RULES:
+        return
+    counts = (lambda w, a: weight(w, a) < 0.5) if weight else is_clipped  # alone, a token is its sequence too
+    i, t = next((i, t) for i, n in enumerate(LENGTHS) for t in range(n)
+                if counts(math.exp(float(logp[i, t] - old[i, t])), float(adv[i])))
+    one = torch.zeros_like(mask)
+    one[i, t] = 1.0
+    assert losses.ratio_diagnostics(logp, old, adv, one, cfg)["clip/frac"] == 1.0
+
+
+def test_cov_fraction_is_what_each_covariance_rule_acts_on():
+    """KL-Cov penalises cov_tokens(n) of the n valid tokens whatever their covariance; Clip-Cov cuts at most that
+    many of its candidates, and none where no token's covariance lies in its band (every advantage 0 here)."""
+    logp, old, adv, mask = batch()
+    n, zero = int(mask.sum()), torch.zeros_like(adv)
+    got = {s: losses.ratio_diagnostics(logp, old, zero, mask, replace(PRESETS["grpo"], surrogate=s))["clip/cov_frac"]
+           for s in ("kl_cov", "clip_cov")}
+    assert got == {"kl_cov": losses.cov_tokens(n) / n, "clip_cov": 0.0}
+
+
+def test_update_metrics_read_the_rows_each_micro_batch_scored_against_their_own_pi_old():
+    """The update scores the rollout's rows shuffled, in micro-batches: every metric of the update (the card's,
+    the study's, the mismatch, the rollout correction, the entropy) equals its function over the rows in order,
+    each row's log-probs against its own pi_old, mu and mask (rows differ in length, so a mix-up shows)."""
+    logp, old, adv, mask = batch()
+    mu = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.3
+    entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    order = [[3, 0, 4], [1, 2]]  # two micro-batches of a shuffled minibatch
+    seen = [(torch.tensor(r), logp[r], entropy[r]) for r in order]
+    cfg, correction = PRESETS["dapo"], ("token_truncate", 0.7, 3.0)
+    got = metrics.update_metrics(seen, old, entropy, None, adv, mask, cfg, SINGLE, mu, correction, study=True)
+    want = {**losses.ratio_diagnostics(logp, old, adv, mask, cfg), **metrics.study_metrics(logp, old, adv, mask),
+            **metrics.mismatch_metrics(old, mu, mask), **metrics.correction_metrics(old, mu, mask, correction),
+            "losses/entropy": losses.masked_mean(entropy, mask)}
+    want["losses/approx_kl"] = want.pop("approx_kl")
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert 0 < got["clip/frac"] and got["ratio/token_var"] > 0.01  # the ratios are far from 1
+    on = metrics.update_metrics(seen, None, None, None, adv, mask, cfg, SINGLE)  # on-policy: the entropy scored
+    assert on["losses/entropy"] == pytest.approx(losses.masked_mean(entropy, mask), rel=1e-12)
+    assert on["ratio/token_var"] == 0.0 and on["clip/frac"] == 0.0
+
 def test_rollout_metrics_equal_their_definitions():
     """Two groups of 3 drawn and kept, one group dropped by dynamic sampling (all wrong): rewards, correctness,
     lengths and advantages of the kept rows; group fractions over every group drawn."""
@@ -108,12 +214,50 @@ def test_rollout_metrics_equal_their_definitions():
     assert metrics.rollout_metrics(near, adv, 3, drawn, 9, 3, SINGLE)["charts/zero_std_group_frac"] == 1 / 2
 
 
+
+def test_group_fractions_count_groups_and_each_length_needs_its_kind():
+    """Three kept groups of 2, one with equal rewards; four drawn, one all right and one all wrong: each share is of
+    groups. A batch all right has no charts/len_incorrect, one all wrong no charts/len_correct."""
+    ro = SimpleNamespace(lengths=torch.tensor([4, 9, 6, 12, 3, 5]), truncated=torch.zeros(6).bool())
+    scores = {"reward": [1.0, 0.0, 0.5, 0.5, 1.1, 1.0], "correct": [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]}
+    drawn = torch.tensor([[1.0, 1], [0, 0], [1, 0], [1, 0]])
+    m = metrics.rollout_metrics(SimpleNamespace(ro=ro, scores=scores), torch.zeros(6), 2, drawn, 8, 2, SINGLE)
+    assert (m["charts/zero_std_group_frac"], m["charts/all_right_group_frac"], m["charts/all_wrong_group_frac"]) \
+        == pytest.approx((1 / 3, 1 / 4, 1 / 4))  # float32 means
+    for kind, absent in ((1.0, "charts/len_incorrect"), (0.0, "charts/len_correct")):
+        same = SimpleNamespace(ro=ro, scores={**scores, "correct": [kind] * 6})
+        assert absent not in metrics.rollout_metrics(same, torch.zeros(6), 2, drawn, 8, 2, SINGLE)
+
 def test_timing_divides_generated_tokens_by_the_rollout_time():
     b = SimpleNamespace(ro=SimpleNamespace(lengths=torch.tensor([10, 30])))
     m = metrics.timing(b, rollout_s=2.0, update_s=5.0, lr=1e-5, world=SINGLE)
     assert m["perf/gen_tokens_per_s"] == 20.0 and m["perf/rollout_s"] == 2.0 and m["perf/update_s"] == 5.0
     assert m["charts/lr"] == 1e-5 and m["perf/peak_memory_gib_min"] == m["perf/peak_memory_gib_max"] > 0
 
+
+
+def test_peak_memory_is_every_ranks_range_in_gib(monkeypatch):
+    """perf/peak_memory_gib_max and _min over the ranks' peaks (two here); CUDA's allocated peak in GiB where this
+    process uses CUDA, else the resident peak: from Linux's kB, or where /proc is missing from ru_maxrss (kB on
+    Linux, bytes on macOS)."""
+    two = SimpleNamespace(sum=lambda xs: [2 * x for x in xs], gather=lambda x: [x, x + 3])
+    m = metrics.timing(SimpleNamespace(ro=SimpleNamespace(lengths=torch.tensor([10]))), 1.0, 1.0, 0.0, two)
+    assert m["perf/peak_memory_gib_max"] - m["perf/peak_memory_gib_min"] == pytest.approx(3.0)
+    assert 0.05 < metrics.resident_peak_gib() < 64  # this process (python and torch), in GiB
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for initialized in (True, False):  # CUDA's high-water mark where this process uses CUDA (a CPU run does not)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+        assert (metrics.peak_memory_gib() == 3.0) == initialized
+    resource = pytest.importorskip("resource")
+
+    def no_proc(*a, **k):
+        raise OSError("no /proc")
+    monkeypatch.setattr(metrics, "open", no_proc, raising=False)
+    for platform, unit in (("linux", 2**10), ("darwin", 1)):
+        monkeypatch.setattr(sys, "platform", platform)
+        monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3 * 2**30 // unit))
+        assert metrics.resident_peak_gib() == 3.0, platform
 
 def test_update_metrics_kl_to_the_reference_is_k3_over_the_scored_tokens():
     logp, old, adv, mask = batch()
@@ -183,6 +327,36 @@ def test_length_buckets_sort_rows_by_length_and_spread_within_each():
     got = metrics.length_bucket_stats(logp, old, mask)
     assert len(got) == 4 and all(g == pytest.approx(w, rel=1e-9) for g, w in zip(got, want))
 
+
+
+def test_study_metrics_name_the_quartiles_from_one_and_leave_out_a_bucket_of_one_row():
+    """lenbucket/q1 is the shortest quartile (claim 1's quantities read q1 and q4); five rows split 2, 1, 1, 1, and a
+    bucket of one row has no spread, so only the first is logged. One sequence's mismatch has no spread: 0."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 1, 4, 2, 5]
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths], dtype=torch.float64)
+    old = -torch.rand(5, 5, generator=gen, dtype=torch.float64)
+    logp = old + torch.randn(5, 5, generator=gen, dtype=torch.float64) * 0.2
+    buckets = metrics.length_bucket_stats(logp, old, mask)
+    assert len(buckets) == 1 and buckets[0]["len"] == 1.5  # the rows of length 1 and 2
+    study = metrics.study_metrics(logp, old, torch.ones(5, dtype=torch.float64), mask)
+    assert sorted(k for k in study if k.startswith("lenbucket/")) == \
+        ["lenbucket/q1_len", "lenbucket/q1_std_log_s", "lenbucket/q1_std_logsum"]
+    assert metrics.mismatch_metrics(old[:1], logp[:1], mask[:1])["mismatch/seq_std"] == 0.0
+
+
+def test_prefix_spread_of_two_long_sequences_is_their_prefix_sums_spread():
+    """S_ik = sum_{t<=k} (log pi_theta - log pi_old) over the sequences of at least max(ks) tokens: two suffice for a
+    spread (the sample std of two numbers, |a - b| / sqrt 2); pi_old is not 0 here, so its sign shows."""
+    gen = torch.Generator().manual_seed(6)
+    mask = torch.tensor([[1.0] * 4, [1.0] * 4, [1.0] * 3 + [0.0]], dtype=torch.float64)  # the third is too short
+    old = -torch.rand(3, 4, generator=gen, dtype=torch.float64) * 2
+    after = old + torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.3
+    out = metrics.prefix_spread(after, old, mask, ks=(2, 4))
+    s = [[float((after[i, :k] - old[i, :k]).sum()) for k in (2, 4)] for i in range(2)]
+    assert out == pytest.approx({"prefix/n_long": 2, "prefix/std_k2": abs(s[0][0] - s[1][0]) / math.sqrt(2),
+                                 "prefix/std_k4": abs(s[0][1] - s[1][1]) / math.sqrt(2),
+                                 "prefix/abs_log_token": float((after[:2] - old[:2]).abs().mean())}, rel=1e-12)
 
 def test_masked_var_is_the_population_variance_of_the_valid_entries():
     x, mask = torch.tensor([[1.0, 4.0, 100.0]]), torch.tensor([[1.0, 1.0, 0.0]])

@@ -68,8 +68,8 @@ def test_two_steps_change_parameters_and_keep_metrics_finite(tmp_path, tiny_poli
 def test_length_gap_compares_wrong_and_right_answers_within_each_mixed_group():
     """charts/len_incorrect_rel (--log-study-metrics): per group with both kinds, mean wrong over mean right length,
     averaged over those groups; groups all right or all wrong say nothing."""
-    lengths = torch.tensor([10.0, 30.0, 20.0, 5.0, 5.0, 5.0, 8.0, 8.0, 2.0])  # 3 groups of 3
-    correct = torch.tensor([True, False, False, True, True, True, True, False, True])
+    lengths = torch.tensor([10.0, 30.0, 20.0, 5.0, 5.0, 5.0, 8.0, 8.0, 2.0, 7.0, 9.0, 4.0])  # 4 groups of 3
+    correct = torch.tensor([True, False, False, True, True, True, True, False, True, False, False, False])
     gap = metrics.length_gap(lengths, correct, 3)  # groups 1 and 3: (25 / 10 + 8 / 5) / 2
     assert gap == {"charts/len_incorrect_rel": pytest.approx((25 / 10 + 8 / 5) / 2)}
     assert metrics.length_gap(lengths[3:6], correct[3:6], 3) == {}
