@@ -143,12 +143,13 @@ def test_clip_fraction_counts_each_rules_own_units_by_hand(rule):
 def test_a_step_of_no_valid_token_logs_zeros_and_of_one_clipped_unit_logs_one(rule):
     """Every completion masked (--mask-truncated with each one truncated): every diagnostic is 0, none nan. One valid
     token, which the rule clips: its own share, 1, whatever the unit."""
-    cfg, unit, weight, is_clipped = RULES[rule] if rule in RULES else (replace(PRESETS["grpo"], surrogate=rule),) * 4
+    cfg = RULES[rule][0] if rule in RULES else replace(PRESETS["grpo"], surrogate=rule)
     logp, old, adv, mask = batch()
     empty = losses.ratio_diagnostics(logp, old, adv, torch.zeros_like(mask), cfg)
     assert empty == {k: 0.0 for k in empty}
-    if rule not in RULES:
+    if rule not in RULES:  # (the covariance rules: test_cov_fraction_is_what_each_covariance_rule_acts_on)
         return
+    _, _, weight, is_clipped = RULES[rule]
     counts = (lambda w, a: weight(w, a) < 0.5) if weight else is_clipped  # alone, a token is its sequence too
     i, t = next((i, t) for i, n in enumerate(LENGTHS) for t in range(n)
                 if counts(math.exp(float(logp[i, t] - old[i, t])), float(adv[i])))
