@@ -1,6 +1,7 @@
 """tools.compare: two evaluations' answers paired problem by problem, the effect with the study's interval."""
 
 import json
+import sys
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_the_effect_is_the_paired_difference_with_its_t_interval(tmp_path, capsy
 
 @pytest.mark.parametrize("case, message", [
     ("other prompts", "did not score the same problems"),
-    ("fewer problems", "did not score the same problems"),
+    ("fewer problems", "error: A and B did not score the same problems (3 and 2; they differ at problem 2): evaluate "
+                       "both with the same --dataset, --eval-dataset and --eval-size"),
     ("missing step", "--step-b 7"),
     ("no file", "no eval_completions.jsonl there"),
     ("not json", "is not an eval_completions.jsonl"),
@@ -63,3 +65,22 @@ def test_what_cannot_be_paired_is_one_line(tmp_path, capsys, case, message):
         compare.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_runs_named_without_flags_get_the_command_and_one_stray_word_the_parsers_line(tmp_path, capsys, monkeypatch):
+    """`python -m tools.compare A B`, as the shell passes it (sys.argv), is answered with the command that names both
+    runs; a single word is not read as two runs: the parser refuses it in one line."""
+    monkeypatch.setattr(sys, "argv", ["compare.py", "runs/base", "runs/trained"])
+    told = "error: name the two runs as flags: python -m tools.compare --a runs/base --b runs/trained"
+    for argv, want in ((None, told), (["runs/base"], "error: ")):
+        with pytest.raises(SystemExit) as exc:
+            compare.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(want), err
+
+
+def test_one_problem_has_no_interval(tmp_path, capsys):
+    write(tmp_path / "a", {0: [0.0]})
+    write(tmp_path / "b", {0: [1.0]})
+    compare.main(["--a", str(tmp_path / "a"), "--b", str(tmp_path / "b")])
+    assert "B - A: +1.000 (no interval from one problem), paired over 1 problems" in capsys.readouterr().out
