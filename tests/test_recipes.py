@@ -4,6 +4,7 @@ starts with the recipe's own flags through model loading on a stand-in of the mo
 layer; no download)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ RECIPES = recipes.recipes(PAGE)
 def test_the_page_has_its_recipes_and_is_current():
     assert [r.number for r in RECIPES] == [1, 2, 3, 4] and {r.card for r in RECIPES} == {24, 80}
     assert recipes.filled(PAGE) == PAGE, "run python -m tools.recipes"
+    # and the rewrite finds every generated part: each memory block and the time table, made stale, come back
+    stale = re.sub(r"(<!-- recipe-memory:\d -->\n).*?(```)", r"\1stale\n\2", PAGE, flags=re.S)
+    stale = re.sub(r"(<!-- recipe-time -->\n).*?(?=\n## )", r"\1stale\n", stale, flags=re.S)
+    assert stale.count("stale\n") == 5 and recipes.filled(stale) == PAGE
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: str(r.number))
