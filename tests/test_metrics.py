@@ -41,6 +41,11 @@ def pvar(xs):
     return sum((x - m) ** 2 for x in xs) / len(xs)
 
 
+def log_ratios(logp, old):
+    """The token log-ratios l_it of batch()'s valid rows, by row (the empty row has none)."""
+    return {i: [float(logp[i, t] - old[i, t]) for t in range(n)] for i, n in enumerate(LENGTHS) if n}
+
+
 def clipped(w, a, eps, eps_high):  # PPO's rule, as the papers state it: the min takes the clipped term
     return (a < 0 and w < 1 - eps) or (a > 0 and w > 1 + eps_high)
 
@@ -54,8 +59,8 @@ def test_ratio_diagnostics_equal_their_definitions(algo, eps_high):
     adv[2] = 0.5
     cfg = replace(PRESETS[algo], epsilon=0.2, epsilon_high=eps_high)  # gspo's own 3e-4 would clip every sequence
     diag = losses.ratio_diagnostics(logp, old, adv, mask, cfg)
-    rows = [i for i, n in enumerate(LENGTHS) if n]
-    l = {i: [float(logp[i, t] - old[i, t]) for t in range(LENGTHS[i])] for i in rows}  # token log-ratios l_it
+    l = log_ratios(logp, old)
+    rows = list(l)
     tokens = [(x, float(adv[i]), i) for i in rows for x in l[i]]
     log_s = {i: mean(l[i]) for i in rows}  # log of GSPO's s_i
     tok_low = sum(clipped(math.exp(x), a, 0.2, eps_high) and a < 0 for x, a, _ in tokens) / len(tokens)
@@ -115,8 +120,8 @@ RULES = {
 
 def units_of(unit, logp, old, adv):
     """(ratio, advantage) of each unit of batch()'s valid rows: tokens, sequences (s_i) or whole sequences (W_i)."""
-    rows = [i for i, n in enumerate(LENGTHS) if n]
-    l = {i: [float(logp[i, t] - old[i, t]) for t in range(LENGTHS[i])] for i in rows}
+    l = log_ratios(logp, old)
+    rows = list(l)
     if unit == "token":
         return [(math.exp(x), float(adv[i])) for i in rows for x in l[i]]
     return [(math.exp(mean(l[i]) if unit == "sequence" else sum(l[i])), float(adv[i])) for i in rows]
