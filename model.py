@@ -29,7 +29,6 @@ import task
 from base.errors import UserError
 
 
-
 class ModelError(UserError, ValueError):
     """A model that cannot be used; the message says what is wrong and what to do."""
 

@@ -461,7 +461,6 @@ def check_references(examples: list, answer_format: str) -> None:
                               "use --answer-format tags or boxed")
 
 
-
 def check_thinking(tokenizer, model: str) -> None:
     """--enable-thinking acts only through a chat template that reads it (Qwen3's): refused where a prompt formatted
     with it is the prompt formatted without it, as a comparison of the two would compare the same runs."""

@@ -69,7 +69,6 @@ def preflight(args, run_dir: Path, world_size: int = 1):
     return resume_from, state
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The run folder: never replace a finished run, never leave one that its own advice cannot get out of
 # ---------------------------------------------------------------------------------------------------------------

@@ -133,4 +133,3 @@ def own_fields_first(cls):
     order = own + [f for f in cls.__dataclass_fields__ if f not in own]
     cls.__dataclass_fields__ = {f: cls.__dataclass_fields__[f] for f in order}
     return cls
-

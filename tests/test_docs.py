@@ -127,7 +127,6 @@ def test_documented_answer_lengths_are_the_tasks():
             assert f"{old} tokens" not in (ROOT / f).read_text() and f"{old}-token" not in (ROOT / f).read_text(), f
 
 
-
 def test_the_objective_flags_take_their_types_from_losses_py():
     """Issue 46.4: Args spelled the objective's Literals again, so a surrogate added to losses.Surrogate but not to
     Args was silently unreachable. Each objective flag's choices are now the LossConfig field's own type (or None:

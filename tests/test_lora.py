@@ -18,7 +18,6 @@ from plumbing import run as runs
 from conftest import SMALL_ARGS, final_weights, metrics_without_timing  # noqa: E402
 
 
-
 def scored_batch(policy, tokenizer, n=6):
     """A fixed batch of prompt + sampled completion rows, and its completion length."""
     args, _ = runs.resolve(train.Args(num_prompts=2, num_generations=3, max_new_tokens=16))

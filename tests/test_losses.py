@@ -12,7 +12,6 @@ import losses
 from losses import PRESETS, LossConfig, StepNorm
 
 
-
 pytestmark = pytest.mark.usefixtures("float64")  # conftest: exact comparisons in double precision
 
 # The notes' toy batch: one group of G=4, rewards [1, 0, 0, 1], lengths [3, 5, 2, 2], max_new_tokens 8.

@@ -87,7 +87,6 @@ def test_ratio_diagnostics_equal_their_definitions(algo, eps_high):
     assert diag == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
-
 def gate_slope(w, tau):  # SAPO's f'(w) = 4 sigmoid(tau (w - 1)) (1 - sigmoid(...)), by hand
     s = 1 / (1 + math.exp(-tau * (w - 1)))
     return 4 * s * (1 - s)
@@ -194,6 +193,7 @@ def test_update_metrics_read_the_rows_each_micro_batch_scored_against_their_own_
     assert on["losses/entropy"] == pytest.approx(losses.masked_mean(entropy, mask), rel=1e-12)
     assert on["ratio/token_var"] == 0.0 and on["clip/frac"] == 0.0
 
+
 def test_rollout_metrics_equal_their_definitions():
     """Two groups of 3 drawn and kept, one group dropped by dynamic sampling (all wrong): rewards, correctness,
     lengths and advantages of the kept rows; group fractions over every group drawn."""
@@ -220,7 +220,6 @@ def test_rollout_metrics_equal_their_definitions():
     assert metrics.rollout_metrics(near, adv, 3, drawn, 9, 3, SINGLE)["charts/zero_std_group_frac"] == 1 / 2
 
 
-
 def test_group_fractions_count_groups_and_each_length_needs_its_kind():
     """Three kept groups of 2, one with equal rewards; four drawn, one all right and one all wrong: each share is of
     groups. A batch all right has no charts/len_incorrect, one all wrong no charts/len_correct."""
@@ -234,12 +233,12 @@ def test_group_fractions_count_groups_and_each_length_needs_its_kind():
         same = SimpleNamespace(ro=ro, scores={**scores, "correct": [kind] * 6})
         assert absent not in metrics.rollout_metrics(same, torch.zeros(6), 2, drawn, 8, 2, SINGLE)
 
+
 def test_timing_divides_generated_tokens_by_the_rollout_time():
     b = SimpleNamespace(ro=SimpleNamespace(lengths=torch.tensor([10, 30])))
     m = metrics.timing(b, rollout_s=2.0, update_s=5.0, lr=1e-5, world=SINGLE)
     assert m["perf/gen_tokens_per_s"] == 20.0 and m["perf/rollout_s"] == 2.0 and m["perf/update_s"] == 5.0
     assert m["charts/lr"] == 1e-5 and m["perf/peak_memory_gib_min"] == m["perf/peak_memory_gib_max"] > 0
-
 
 
 def test_peak_memory_is_every_ranks_range_in_gib(monkeypatch):
@@ -264,6 +263,7 @@ def test_peak_memory_is_every_ranks_range_in_gib(monkeypatch):
         monkeypatch.setattr(sys, "platform", platform)
         monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3 * 2**30 // unit))
         assert metrics.resident_peak_gib() == 3.0, platform
+
 
 def test_update_metrics_kl_to_the_reference_is_k3_over_the_scored_tokens():
     logp, old, adv, mask = batch()
@@ -334,7 +334,6 @@ def test_length_buckets_sort_rows_by_length_and_spread_within_each():
     assert len(got) == 4 and all(g == pytest.approx(w, rel=1e-9) for g, w in zip(got, want))
 
 
-
 def test_study_metrics_name_the_quartiles_from_one_and_leave_out_a_bucket_of_one_row():
     """lenbucket/q1 is the shortest quartile (claim 1's quantities read q1 and q4); five rows split 2, 1, 1, 1, and a
     bucket of one row has no spread, so only the first is logged. One sequence's mismatch has no spread: 0."""
@@ -363,6 +362,7 @@ def test_prefix_spread_of_two_long_sequences_is_their_prefix_sums_spread():
     assert out == pytest.approx({"prefix/n_long": 2, "prefix/std_k2": abs(s[0][0] - s[1][0]) / math.sqrt(2),
                                  "prefix/std_k4": abs(s[0][1] - s[1][1]) / math.sqrt(2),
                                  "prefix/abs_log_token": float((after[:2] - old[:2]).abs().mean())}, rel=1e-12)
+
 
 def test_masked_var_is_the_population_variance_of_the_valid_entries():
     x, mask = torch.tensor([[1.0, 4.0, 100.0]]), torch.tensor([[1.0, 1.0, 0.0]])

@@ -106,7 +106,6 @@ def test_the_entropy_bonus_keeps_one_more_float32_vocabulary_tensor_per_token():
     assert with_bonus - without == many * t * shape.vocab * 4
 
 
-
 def test_the_entropy_bonus_costs_more_in_each_precision_and_path():
     """--dtype bfloat16 or float32, --entropy-bonus or not, whole (--logprob-chunk -1) or chunked log-probs: each case
     has its coefficients, the bonus costs more on the update's log-prob path, and the pi_old pass, which takes no
@@ -117,6 +116,7 @@ def test_the_entropy_bonus_costs_more_in_each_precision_and_path():
         for chunk in (-1, 64):
             bonus, plain = (memory.logits(memory.QWEN[0], 16, 512, compute_bytes, b, chunk) for b in (True, False))
             assert bonus["logits"] > plain["logits"] and bonus["pi_old pass"] == plain["pi_old pass"]
+
 
 def saved_per_token(model, tokens: int, autocast: bool) -> float:
     """Bytes of what autograd saves in one forward (storages counted once, the weights themselves left out)."""

@@ -2,6 +2,7 @@
 report against a rebuild from the committed data."""
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -213,7 +214,10 @@ def synthetic_study(**over):
 
 @pytest.mark.slow
 def test_a_synthetic_study_with_every_effect_built_in_reproduces_every_claim(tmp_path):
-    runs = synthetic_study()
+    from tools.study.data import STOPS
+
+    stop = STOPS["dynamic sampling found"]  # a run train.py stopped is a result: runs.csv says why
+    runs = [r if r["name"] != "stale16-dapo-s0" else {**r, "stopped": stop} for r in synthetic_study()]
     rows = study.judge(runs)
     assert [r["key"] for r in rows] == [c.key for c in study.CLAIMS]
     assert {r["key"]: r["verdict"] for r in rows} == {c.key: "non-inferior" if c.margin else "reproduced"
@@ -221,8 +225,11 @@ def test_a_synthetic_study_with_every_effect_built_in_reproduces_every_claim(tmp
         [(r["key"], r["verdict"], study.fmt_est(r["estimate"]), r["check"]) for r in rows]
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{study.README_BEGIN}\nold\n{study.README_END}\nafter\n")
+    (tmp_path / "report").mkdir()  # as docs/study, which --report-only rewrites, exists
     figs = study.write_report(runs, tmp_path / "report", readme)
     assert all(points > 0 for points, _ in figs.values()), figs
+    assert f"\nstale16-dapo-s0,stale16,dapo,dapo,0,{stop}," in (tmp_path / "report" / "runs.csv").read_text()
+    assert "\nstale16-dapo-s1,stale16,dapo,dapo,1,," in (tmp_path / "report" / "runs.csv").read_text()
     summary = (tmp_path / "report" / "summary.md").read_text()
     margins = sum(c.margin is not None for c in study.CLAIMS)
     assert summary.count("**reproduced**") == len(study.CLAIMS) - margins and "MDE" in summary
@@ -272,6 +279,110 @@ def test_the_data_decides_each_verdict():
         steady["13-vespo-mid"]["verdict"] == "not exercised"  # GRPO does not drop: claims 11-13's third check
     assert steady["10-vespo-stale"]["verdict"] == "predicted effect excluded, no effect not excluded"  # no such check
     assert "GRPO's mean drop 0.000" in steady["11-vespo-lr"]["check"]
+
+
+def relogged(run, **metrics):
+    """The run with these metrics logged at every step after 0 (names with '/' written '__')."""
+    return {**run, "rows": [run["rows"][0]] + [{**row, **{k.replace("__", "/"): v for k, v in metrics.items()}}
+                                               for row in run["rows"][1:]]}
+
+
+def edited(runs, cell, arm, seed, **metrics):
+    """The runs with one of them relogged."""
+    return [relogged(r, **metrics) if (r["cell"], r["arm"], r["seed"]) == (cell, arm, seed) else r for r in runs]
+
+
+def verdicts_of(runs) -> dict:
+    return {r["key"]: r for r in study.judge(runs)}
+
+
+def test_each_manipulation_check_needs_every_seed_and_both_arms():
+    """A check registered over every seed (GRPO clips in every seed, GSPO clips more in every seed, CISPO has tokens
+    GRPO's clip would drop in every seed) fails on one seed that does not; a check over two arms (staleness moves both
+    GRPO's and GSPO's ratios) fails on one arm. "More" is strict: a tie is not more."""
+    runs = synthetic_study()
+    assert verdicts_of(edited(runs, "base", "grpo-b0", 2, clip__frac=0.0))["2-clip"]["verdict"] == "not exercised"
+    tie = verdicts_of(edited(runs, "base", "grpo-b0", 2, clip__frac=0.3))["2-learn"]  # as GSPO's 0.3 at seed 2
+    assert tie["verdict"] == "not exercised" and tie["check"] == "GSPO clips more in 4 of 5 seeds"
+    one_arm = verdicts_of([relogged(r, ratio__abs_log_token=0.01) if (r["cell"], r["arm"]) == ("stale16", "gspo")
+                           else r for r in runs])  # GSPO's ratios in stale16 as in base
+    assert one_arm["3-b0"]["verdict"] == "not exercised" and "gspo 1.0x" in one_arm["3-b0"]["check"]
+    assert verdicts_of(edited(runs, "base", "cispo", 2, clip__shadow_grpo=0.0))["6-cispo-learn"]["verdict"] == \
+        "not exercised"
+
+
+def test_the_checks_pass_at_their_registered_bounds():
+    """Each manipulation check passes at its registered bound and fails past it, on values floats hold exactly (a
+    power of two, 280 / 140, a mean of equal values): staleness ">= 2x base", lengths spanning ">= 2x" (claim 4) and
+    ">= 10x" (smollm2long), ">= 50 tokens" (claim 9), mean |log ρ_t| ">= 1e-3", the clip outcome differing for ">= 1%"
+    of tokens, GRPO's mean drop ">= 0.10" (claims 11-13), ">= 4 long sequences in every step" (a count); and between
+    the bound and twice it: claim 4's 3x, claim 9's 70 tokens, VESPO's 1.5% damped."""
+    runs = synthetic_study()
+
+    def exercised(key, runs) -> bool:
+        return verdicts_of(runs)[key]["verdict"] != "not exercised"
+
+    def stale(cell, arms, x):  # the arms' mean |log ρ_t| in `cell` x times base's (0.03125: a power of two)
+        return [relogged(r, ratio__abs_log_token=0.03125 * (x if r["cell"] == cell else 1.0))
+                if r["arm"] in arms and r["cell"] in (cell, "base") else r for r in runs]
+
+    def metrics(cells, arms=None, **values):  # every run of those cells (and arms) logs these values at every step
+        return [relogged(r, **values) if r["cell"] in cells and (arms is None or r["arm"] in arms) else r
+                for r in runs]
+
+    for x, passes in ((2.0, True), (1.75, False)):
+        assert exercised("3-b0-rep", stale("stale16rep", ("grpo-b0", "gspo"), x)) == passes, x
+        assert exercised("8-gmpo", stale("stale16", ("gmpo",), x)) == passes, x
+        assert exercised("10-vespo-stale", stale("stale16v", ("vespo", "grpo-b0"), x)) == passes, x
+    for low, passes in ((140.0, True), (141.0, False), (93.0, True)):  # claim 4: 280 / 140 = 2x
+        assert exercised("4-agg", metrics(("base",), charts__completion_len_min=low)) == passes, low
+    for low, passes in ((28.0, True), (29.0, False)):  # smollm2long: 280 / 28 = 10x
+        assert exercised("1-smollm2long", metrics(("smollm2long",), charts__completion_len_min=low)) == passes, low
+    for low, passes in ((230.0, True), (231.0, False), (210.0, True)):  # claim 9: 280 - 230 = 50 tokens
+        assert exercised("9-luspo-length", metrics(("base", "base2"), ("luspo", "gspo"),
+                                                   charts__completion_len_min=low)) == passes, low
+    for moved, passes in ((1e-3, True), (9e-4, False)):  # 4 arms at 4 seeds: a mean of 16 1e-3s is 1e-3 (of 20 not)
+        assert exercised("1-base", [r for r in metrics(("base",), ratio__abs_log_token=moved)
+                                    if (r["cell"], r["seed"]) != ("base", 4)]) == passes, moved
+    for differs, passes in ((0.01, True), (0.009, False)):  # shadow clip fractions 0.2 and 0.28 apart
+        assert exercised("5-entropy", metrics(("stale16",), ("dapo-eh0.2",), clip__shadow_grpo=differs,
+                                              clip__shadow_dapo=0.0)) == passes, differs
+        at_1 = [r for r in metrics(("smollm2",), clip__shadow_grpo=differs, clip__shadow_dapo=0.0)
+                if (r["cell"], r["seed"]) != ("smollm2", 4)]  # 8 runs: their mean of 0.01 is 0.01 (of 10 it is not)
+        assert exercised("5-smollm2", at_1) == passes, differs
+    for peak, passes in ((0.1, True), (0.09375, False)):  # GRPO's drop: from `peak` (steps 0-20) to 0
+        fell = [r if (r["cell"], r["arm"]) != ("stale16vlr", "grpo-b0") else
+                {**r, "rows": [{**row, "eval/accuracy": peak if row["step"] <= 20 else 0.0} if "eval/accuracy" in row
+                               else row for row in r["rows"]]} for r in runs]
+        assert exercised("11-vespo-lr", fell) == passes, peak
+    assert verdicts_of(metrics(("stale16v",), ("vespo",), clip__frac=0.015))["10-vespo-stale"]["verdict"] == \
+        "reproduced"
+    for fewest, passes in ((4, True), (3, False)):  # one step of one run with `fewest` long sequences
+        runs_at = [r if (r["cell"], r["arm"], r["seed"]) != ("smollm2prefix", "gspo", 2) else
+                   {**r, "rows": [{**row, "prefix/n_long": fewest} if row["step"] == 2 else row for row in r["rows"]]}
+                   for r in runs]
+        judged = verdicts_of(runs_at)["1-within"]
+        assert (judged["verdict"] != "not exercised") == passes, (fewest, judged["check"])
+        short = re.search(r"; (\d+) of \d+ run-steps had fewer than 4 long sequences", judged["extra"])
+        assert short and int(short.group(1)) == (0 if passes else 1), judged["extra"]
+
+
+def test_within_sequence_claims_pair_the_seeds_with_both_arms_and_count_exact_repeats():
+    """Claim 1-within reads the seeds where both arms ran (a seed with one arm is left out), the i.i.d. slope is
+    named only where the interval excludes 0.5, and the report counts the smollm2prefix runs that repeat their
+    smollm2long twin bit for bit (none here: each synthetic run draws its own noise; then one made a copy)."""
+    runs = synthetic_study()
+    judged = verdicts_of([r for r in runs if (r["cell"], r["arm"], r["seed"]) != ("smollm2prefix", "gspo", 2)])
+    assert judged["1-within"]["estimate"].n == 4
+    assert "0 of 10 runs repeat their smollm2long run's every other metric" in verdicts_of(runs)["1-within"]["extra"]
+    twin = next(r for r in runs if r["name"] == "smollm2long-gspo-s1")
+    copied = [r if r["name"] != "smollm2prefix-gspo-s1" else {**r, "rows": [
+        {**row, **{k: v for k, v in mine.items() if k.startswith("prefix/")}} for row, mine in zip(twin["rows"],
+                                                                                                   r["rows"])]}
+              for r in runs]
+    assert "1 of 10 runs repeat" in verdicts_of(copied)["1-within"]["extra"]
+    iid = verdicts_of(synthetic_study(**{a: {"length_power": 0.5} for a in ("grpo-b0", "gspo")}))["1-within"]
+    assert iid["estimate"].lo < 0.5 < iid["estimate"].hi and "the interval lies" not in iid["extra"], iid
 
 
 def test_a_verdict_whose_pairs_started_from_different_policies_is_named():
@@ -405,6 +516,84 @@ def test_each_contrast_lists_every_setting_it_changes():
     assert contrast_runs("9-luspo-length") == CLAIM_9_ARMS  # LUSPO against base2's GSPO, the amendment's pair
     assert runs_read("9-luspo-length") == set(CLAIM_9_ARMS)
     assert contrast_runs("7-sapo") == (("stale16", "grpo-b0"), ("stale16", "sapo"))
+
+
+def test_each_arm_resolves_as_train_py_resolves_its_flags(monkeypatch):
+    """design.resolved, the report's account of what a contrast changes where a run predates its config.json, is what
+    train.py's resolve makes of the arm's flags: every objective field, DAPO's dynamic sampling and overlong shaping."""
+    import train
+    from plumbing import flags
+    from plumbing import run as runs
+    from tools.study import design
+
+    seen = set()
+    for r in study.grid(tuple(study.CELLS), study.ALL_SEEDS):
+        cell, arm = r["run_name"].split("-", 1)[0], r["run_name"].split("-", 1)[1].rsplit("-s", 1)[0]
+        if (cell, arm) in seen:
+            continue
+        seen.add((cell, arm))
+        argv = [*design.COMMON] + [x for k, v in r.items() if k not in ("run_name", "model")  # True: a switch
+                                   for x in [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])]
+        args, _ = runs.resolve(flags.parse(train.Args, "", argv))
+        mine = design.resolved(cell, arm)
+        assert {k: design._norm(v) for k, v in mine.items()} == \
+            {k: design._norm(str(getattr(args, k))) for k in mine}, (cell, arm)
+    assert len(seen) == sum(len(arms) for _, arms in study.CELLS.values())
+    monkeypatch.setitem(design.CELLS, "wide", ({"epsilon": "0.3"}, {"grpo": ("grpo", {})}))  # no cell sets one yet
+    assert design.resolved("wide", "grpo")["epsilon"] == "0.3"  # a regime's objective field reaches its arms
+
+
+def test_a_contrast_read_from_packed_configs_needs_every_run_to_have_one():
+    from tools.study.report import packed_changes
+
+    def run(arm, seed, config):
+        return {"cell": "base", "arm": arm, "seed": seed, "config": config}
+
+    grpo, gspo = {"epsilon": 0.2, "surrogate": "clip"}, {"epsilon": 0.0003, "surrogate": "clip"}
+    runs = [run("grpo-b0", 0, grpo), run("gspo", 0, gspo)]  # one run an arm
+    assert packed_changes(runs, ("base", "grpo-b0"), ("base", "gspo")) == {"epsilon": ("0.2", "0.0003")}
+    runs.append(run("gspo", 1, None))  # a run packed before config.json was
+    assert packed_changes(runs, ("base", "grpo-b0"), ("base", "gspo")) is None
+
+
+def test_the_report_drops_a_seed_from_three_and_names_two_rows_that_share_runs():
+    from tools.study.report import shared_text, table
+
+    def last_cells(seeds):
+        rows = study.judge([r for r in synthetic_study() if r["seed"] in seeds])
+        return {line.rstrip(" |").rsplit("| ", 1)[1] for line in table(rows)[2:]}
+
+    assert last_cells({0, 1}) == {"n/a"}  # two seeds: no seed to drop
+    assert "holds" in last_cells({0, 1, 2})
+    rows = [{"key": key, "verdict": "reproduced"} for key in ("2-clip", "2-learn")]  # both read base's gspo, grpo-b0
+    assert shared_text(rows) == ("They rest on 1 sets of runs; rows that read runs in common are not independent "
+                                 "findings: 2-clip, 2-learn.")
+
+
+def test_the_study_command_checks_parallel_from_one_and_rebuilds_the_readme(tmp_path, monkeypatch):
+    """`python -m tools.study --parallel 1` runs (0 is refused: test_bad_input); --report-only rebuilds the report
+    and the repository's README section (recorded here, not written)."""
+    import tools.study.__main__ as cli
+
+    class Ran(Exception):
+        pass
+
+    def run_grid(runs, name, common, runs_dir, parallel):
+        raise Ran(parallel)
+
+    monkeypatch.setattr(cli.sweep, "run_grid", run_grid)
+    with pytest.raises(Ran) as ran:
+        cli.main(["--parallel", "1", "--cells", "base", "--seeds", "0", "--output-dir", str(tmp_path)])
+    assert ran.value.args == (1,)
+    written = []
+    monkeypatch.setattr(cli, "write_report", lambda runs, out, readme: written.append((len(runs), out, readme)))
+    data = tmp_path / "data"
+    data.mkdir()
+    sweep.write_jsonl_gz(data / "base-gspo-s0.jsonl.gz", [
+        {"run": "base-gspo-s0", "cell": "base", "arm": "gspo", "algo": "gspo", "seed": 0, "flags": {}, "stopped": None},
+        {"step": 0, "eval/accuracy": 0.25}])
+    cli.main(["--report-only", "--data-dir", str(data), "--report-dir", str(tmp_path / "report")])
+    assert written == [(1, tmp_path / "report", ROOT / "README.md")]
 
 
 def test_a_later_family_changes_no_earlier_holm_reading_and_the_counts_are_the_codes():

@@ -20,6 +20,7 @@ from tools.study.stats import (estimate, fmt_est, holm, level, p_value, paired, 
                                verdict, words)
 from tools.sweep import series
 
+
 @dataclass(frozen=True)
 class Claim:
     key: str
