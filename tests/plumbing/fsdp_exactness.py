@@ -49,6 +49,7 @@ def one_update(policy, batch, adv, cfg, args, world, fsdp: bool) -> dict:
         world.wrap(policy, fsdp=True)
         if ref is not None:
             ddp.shard(ref, frozen=True)
+            assert not any(p.requires_grad for p in ref.parameters())  # sharded, the reference stays frozen
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     m = train.update(policy, ref, optimizer, scheduler, batch, adv, cfg, args, torch.Generator().manual_seed(0), world)

@@ -142,6 +142,13 @@ def test_the_steps_normalisers_count_every_ranks_rows_and_tokens():
     assert SINGLE.step_totals(mask) == (2, 3)
 
 
+def test_a_flag_is_up_on_every_rank_when_any_rank_raises_it():
+    """world.any: DAPO's "a rank is still short of mixed groups" and "a rank was signalled to stop", which every rank
+    must answer alike (a rank that stopped drawing alone would leave its prompt cursor behind the others')."""
+    assert TwoRanks(other_sum=[1.0]).any(False) and TwoRanks(other_sum=[0.0]).any(True)
+    assert not TwoRanks(other_sum=[0.0]).any(False)
+    assert SINGLE.any(True) and not SINGLE.any(False)
+
 def test_gathered_rows_pad_each_ranks_completions_on_the_right():
     """Completions are right-padded (a zero mask marks padding), so a rank whose are shorter is padded after them:
     token t of every row stays at position t."""
