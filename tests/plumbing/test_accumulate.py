@@ -149,6 +149,7 @@ def test_a_flag_is_up_on_every_rank_when_any_rank_raises_it():
     assert not TwoRanks(other_sum=[0.0]).any(False)
     assert SINGLE.any(True) and not SINGLE.any(False)
 
+
 def test_gathered_rows_pad_each_ranks_completions_on_the_right():
     """Completions are right-padded (a zero mask marks padding), so a rank whose are shorter is padded after them:
     token t of every row stays at position t."""
