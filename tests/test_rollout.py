@@ -254,8 +254,9 @@ HEAD_MAPS = {  # a small cap, scale and divisor, so that each map moves the logi
 def test_chunked_logprobs_apply_the_map_a_model_makes_of_its_heads_output(arch):
     """Gemma 2 soft-caps its logits after the head, Granite divides them, Cohere scales them: the chunked path applies
     the map the config names (rollout.LogitMap), so its log-probs, entropies and gradients (fp32, temperature 0.7) are
-    the model's own logits' computed in float64, within 1e-6 (log-probs and gradients relative), where the head
-    alone is refused. (The whole-logits path is no closer: its entropy, log Z - E[z], rounds to 3.5e-6 at Cohere's.)"""
+    the model's own logits' computed in float64, within 1e-6 (log-probs and gradients relative; an entropy, log Z -
+    E[z], relative to log Z: the difference keeps the terms' rounding), where the head alone is refused. (The
+    whole-logits path is no closer: 3.2e-7 of log Z at Cohere's, 3.5e-6 absolute, on an AVX-512 Xeon.)"""
     import copy
 
     import transformers
@@ -284,7 +285,8 @@ def test_chunked_logprobs_apply_the_map_a_model_makes_of_its_heads_output(arch):
     exact_logp, exact_entropy = logp_all.gather(-1, ids[:, -12:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
     objective(exact_logp, exact_entropy).backward()
     torch.testing.assert_close(logp.detach().double(), exact_logp.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(entropy.detach().double(), exact_entropy.detach(), rtol=0, atol=1e-6)
+    log_z = torch.logsumexp(z, -1).detach()  # (3, 12) the scale an fp32 entropy rounds at (1.3e-6 at Granite's)
+    assert float(((entropy.detach().double() - exact_entropy.detach()).abs() / log_z.abs()).max()) <= 1e-6, arch
     grads = [(q.grad.double(), e.grad) for q, e in zip(model.parameters(), exact.parameters())]
     scale = max(float(e.abs().max()) for _, e in grads)
     assert max(float((g - e).abs().max()) for g, e in grads) <= 1e-6 * scale, arch
