@@ -125,5 +125,31 @@ def torchrun(n: int, script: str, argv: list[str], **kw):
 
 
 def finish(proc, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+    """Wait for a torchrun job; past `timeout` seconds (a hang) kill it and its workers, then raise TimeoutExpired."""
+    import signal
+    import subprocess
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in children(proc.pid) + [proc.pid]:  # its workers too: torchrun killed alone leaves them running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+        raise
     return proc.returncode, out, err
+
+
+def children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (read from /proc: torchrun starts its workers in sessions of their own,
+    so a process group misses them)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

@@ -15,7 +15,7 @@ import torch
 
 import train
 from plumbing import checkpoint
-from conftest import TORCHRUN_SMALL as SMALL, final_weights, finish, metrics_without_timing, torchrun
+from conftest import TORCHRUN_SMALL as SMALL, children, final_weights, finish, metrics_without_timing, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available() or not sys.platform.startswith("linux"),
                                 reason="needs torch.distributed (gloo) and Linux's /proc")]
@@ -225,12 +225,11 @@ class Worker:
 def workers(parent: int) -> list[Worker]:
     """The processes torchrun `parent` started, with their RANK (read from /proc)."""
     found = []
-    for proc in Path("/proc").glob("[0-9]*"):
+    for pid in children(parent):
         try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
-        except (OSError, ValueError, IndexError):
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
             continue
-        if ppid == parent and b"RANK" in env:
-            found.append(Worker(int(proc.name), int(env[b"RANK"])))
+        if b"RANK" in env:
+            found.append(Worker(pid, int(env[b"RANK"])))
     return found
