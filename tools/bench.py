@@ -139,9 +139,10 @@ def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: st
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     stream, gen = runs.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
     params = sum(p.numel() for p in policy.parameters())
-    rows = []
+    rows, completions = [], 0
     for step in range(steps + 1):
         batch, m = train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, loss_cfg, args, gen)
+        completions += len(batch.ro.lengths)
         tokens = batch.ro.input_ids.numel()  # every position the update's forward and backward passes compute
         flops_per_token = 6 * params + (0 if batch.ro.sampler_logp is not None else 2 * params)  # + pi_old pass
         if step > 0:
@@ -149,7 +150,14 @@ def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: st
                          "update_tok_s": tokens / m["perf/update_s"],
                          "update_flops": flops_per_token * tokens / m["perf/update_s"]})
     return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params,
+            "work": work(steps + 1, steps + 1, completions, scheduler.last_epoch),  # (one scheduler step per update)
             **arithmetic(policy, autocast=models.compute_dtype(policy) == torch.bfloat16)}
+
+
+def work(rl_steps: int, rollouts: int, completions: int, optimizer_steps: int) -> dict:
+    """What a side did per RL step, counted as it ran (equal on both sides, or the figures compare unequal work)."""
+    return {"rollouts": rollouts / rl_steps, "completions": completions / rl_steps,
+            "optimizer_steps": optimizer_steps / rl_steps}
 
 
 def arithmetic(policy, autocast: bool) -> dict:
@@ -217,7 +225,7 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
     rl_steps = steps + 1
     config = GRPOConfig(**trl_config(cfg, steps, dtype, device, tempfile.mkdtemp()))
 
-    totals = {"gen_s": 0.0, "gen_tokens": 0, "tokens": 0}
+    totals = {"gen_s": 0.0, "gen_tokens": 0, "tokens": 0, "rollouts": 0, "completions": 0}
     marks = []  # (time, totals so far) at the end of every optimizer step
 
     class Clock(TrainerCallback):
@@ -234,6 +242,8 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
         totals["gen_s"] += time.perf_counter() - t
         totals["gen_tokens"] += int(out["completion_mask"].sum())
         totals["tokens"] += out["prompt_ids"].numel() + out["completion_ids"].numel()
+        totals["rollouts"] += 1
+        totals["completions"] += len(out["completion_ids"])
         return out
 
     trainer._generate_and_score_completions = timed
@@ -244,7 +254,8 @@ def worker_trl(cfg: dict, steps: int, dtype: str, device: str) -> dict:
         gen_s = b["gen_s"] - a["gen_s"]
         rows.append({"step_s": t1 - t0, "gen_tok_s": (b["gen_tokens"] - a["gen_tokens"]) / gen_s,
                      "update_tok_s": (b["tokens"] - a["tokens"]) / (t1 - t0 - gen_s)})
-    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), **arithmetic(trainer.model, autocast=config.bf16)}
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb(), **arithmetic(trainer.model, autocast=config.bf16),
+            "work": work(rl_steps, totals["rollouts"], totals["completions"], len(marks))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,9 +318,11 @@ def report(args: BenchArgs, cfg: dict, results: dict) -> None:
     has_trl = "trl" in args.sides
     print(f"\nconfig {args.config}: P={cfg['num_prompts']} G={cfg['num_generations']} max_new_tokens="
           f"{cfg['max_new_tokens']}, 4 minibatches, GSPO; {args.repeats} processes per side, median (min-max)")
-    for side in args.sides:  # what each side computed in, read back from its model (not what was asked for)
-        a = results[side][0]
-        print(f"  {side}: {a['device']}, {a['weights']} weights, bf16 autocast {a['autocast']}, {a['threads']} threads")
+    for side in args.sides:  # what each side computed in, read back from its model, and the work it counted
+        a, w = results[side][0], results[side][0]["work"]
+        print(f"  {side}: {a['device']}, {a['weights']} weights, bf16 autocast {a['autocast']}, {a['threads']} "
+              f"threads; per RL step {w['completions']:g} completions from {w['rollouts']:g} rollout(s), "
+              f"{w['optimizer_steps']:g} optimizer steps")
     print(f"{'figure':<22}" + "".join(f"{s:>30}" for s in args.sides)
           + ("".join(f"{s + '/trl':>22}" for s in mine) if has_trl else ""))
     for label, key in [("seconds per RL step", "step_s"), ("generation tokens/s", "gen_tok_s"),

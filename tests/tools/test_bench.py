@@ -1,4 +1,5 @@
-"""bench.py compares equal work: the TRL config it builds does the same arithmetic as our side (no TRL training)."""
+"""bench.py compares equal work: the TRL config it builds does the same arithmetic as our side, and both sides,
+run, count the same work per RL step."""
 
 import warnings
 
@@ -38,3 +39,25 @@ def test_trl_config_matches_our_side(tmp_path, dtype):
     assert (config.learning_rate, config.weight_decay, config.max_grad_norm) == \
         (args.lr, args.weight_decay, args.max_grad_norm)
     assert config.use_cpu
+
+
+@pytest.mark.slow
+def test_both_sides_run_and_count_the_same_work_per_rl_step():
+    """The documented command runs TRL's GRPOTrainer beside ours (one process each, one timed step after the warm-up)
+    and prints, read back from each side as it ran, the same work per RL step: P x G completions from one rollout,
+    four optimizer steps. TRL generating per optimizer step, or splitting the rollout otherwise, would show here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "--sides", "ours", "trl", "--repeats", "1", "--steps",
+                          "1"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = bench.CONFIGS["tiny"]
+    work = f"per RL step {cfg['num_prompts'] * cfg['num_generations']} completions from 1 rollout(s), 4 optimizer steps"
+    sides = [ln.strip() for ln in out.stdout.splitlines() if ln.startswith(("  ours:", "  trl:"))]
+    assert len(sides) == 2 and all(ln.endswith(work) and "cpu, float32 weights, bf16 autocast off" in ln
+                                   for ln in sides), out.stdout
+    step = next(ln for ln in out.stdout.splitlines() if ln.startswith("seconds per RL step")).split()
+    ours, trl, ratio = float(step[4]), float(step[6]), float(step[8])  # median (min-max) per side, then ours/trl
+    assert ours > 0 and trl > 0 and abs(ratio - ours / trl) <= 0.006, step
