@@ -721,7 +721,7 @@ def check_config(cfg: LossConfig, per_token_advantages: bool = False) -> None:
         raise ValueError("--kl-ratio-correction weighs the loss's KL term by the importance ratio; with --kl-in "
                          "reward there is no KL term in the loss: drop one of the two")
     if cfg.surrogate == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
-        raise ValueError("SAPO's temperatures must be > 0")
+        raise ValueError("SAPO's temperatures (--sapo-tau-pos, --sapo-tau-neg) must be > 0")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -223,6 +223,9 @@ def test_high_entropy_mask_keeps_the_top_fraction_of_valid_tokens():
     # a token at the threshold itself is kept (TRL's >=): the median of 1..5 is 3, so 3, 4 and 5 train
     kept = losses.high_entropy_mask(torch.tensor([[5.0, 1, 4, 2, 3]]), torch.ones(1, 5), 0.5)
     assert kept.tolist() == [[1, 0, 1, 0, 1]]
+    # one valid token is its own quantile: kept (only a micro-batch with none keeps none)
+    assert losses.high_entropy_mask(torch.tensor([[0.4, 9.0]]), torch.tensor([[1.0, 0]]), 0.2).tolist() == [[1, 0]]
+    assert losses.high_entropy_mask(torch.tensor([[0.4, 9.0]]), torch.zeros(1, 2), 0.2).tolist() == [[0, 0]]
 
 
 def test_the_entropy_bonus_of_a_step_is_the_mean_of_its_micro_batches_bonuses():
@@ -319,6 +322,16 @@ def test_the_covariance_rules_act_on_their_share_of_tokens_at_least_one_and_none
     assert [losses.cov_tokens(n) for n in (0, 1, 4999, 10_000)] == [0, 1, 1, 2]
 
 
+@pytest.mark.usefixtures("float64")
+def test_clip_cov_cuts_only_tokens_strictly_between_its_bounds():
+    """verl's open interval: a token whose covariance is exactly CLIP_COV_LB (1) or CLIP_COV_UB (5) is never cut."""
+    logp, mask = torch.tensor([[-1.0, -3.0]]), torch.ones(1, 2)  # centred log-probs +-1; ratio 1: nothing clipped
+    for a, candidate in ((1.0, False), (3.0, True), (5.0, False)):
+        adv = torch.tensor([[a, -a]])  # a covariance of exactly a on both tokens
+        assert losses.token_covariance(logp, adv, mask).tolist() == [[a, a]]
+        assert losses.clip_cov_candidates(logp, logp, adv, mask, 0.2, 0.28).tolist() == [[candidate] * 2]
+
+
 @pytest.mark.parametrize("surrogate", ["clip_cov", "kl_cov"])
 def test_cov_surrogates_end_to_end_with_their_fraction_logged(tmp_path, tiny_policy_dir, surrogate):
     args = train.Args(**{**SMALL_ARGS, "model": str(tiny_policy_dir), "output_dir": str(tmp_path), "algo": "grpo",
@@ -370,6 +383,9 @@ def test_adaptive_entropy_logs_the_bonus_its_steps_applied():
         control.end_step()
     assert control.logged() == {"entropy/coef": pytest.approx(0.14), "entropy/bonus": pytest.approx(0.12 * 0.8 * 6 / 12)}
     assert control.logged()["entropy/bonus"] == 0.0  # nothing since the last log
+    control.observe(torch.tensor([[0.5, 3.0]]), torch.tensor([[1.0, 0.0]]))  # one trained token: its own mean
+    control.end_step()
+    assert control.logged()["entropy/bonus"] == pytest.approx(0.14 * 0.5, rel=1e-12, abs=0)  # c as the step began
 
 
 def test_adaptive_entropy_at_the_target_applies_the_bonus_and_keeps_the_coefficient_in_its_range():

@@ -56,6 +56,7 @@ def test_group_advantages_toy_values():
     assert torch.allclose(adv, torch.tensor([Z, -Z, -Z, Z]), atol=1e-9)
     assert abs(Z - 0.865875) < 1e-6
     assert torch.equal(losses.group_advantages(REWARDS, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert torch.equal(losses.group_advantages(REWARDS, 4, scale=True), adv)  # TRL's older booleans, as LossConfig's
 
 
 def test_equal_rewards_give_exactly_zero_advantage():
@@ -75,6 +76,16 @@ def test_toy_batch_dr_grpo_with_its_own_advantages():
     adv = losses.group_advantages(REWARDS, 4, scale=PRESETS["dr_grpo"].scale_rewards)
     loss, _, _ = run(PRESETS["dr_grpo"], logp, old, adv, mask)
     assert loss == pytest.approx(0.03125, abs=1e-12)  # -(0.5*3 - 0.5*5 - 0.5*2 + 0.5*2) / (4*8)
+
+
+def test_a_step_of_one_token_divides_by_one():
+    """The guards against an empty step (max(n, 1), clamp(min=1)) leave a count of one as it is: on-policy, DAPO's
+    token-mean loss of a step with one valid token is -A, and the entropy bonus over one trained token is coef H."""
+    mask, logp = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[-1.0, -2.0, -3.0]])
+    cfg = replace(PRESETS["dapo"], entropy_coef=0.25)
+    loss = losses.policy_loss(logp, logp, torch.tensor([2.0]), mask, StepNorm.of(mask, 3), cfg,
+                              entropy=torch.tensor([[0.5, 0.75, 1.0]]))
+    assert loss.item() == -2.0 - 0.25 * 0.5
 
 
 @pytest.mark.parametrize("algo", list(PRESETS))

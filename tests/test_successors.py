@@ -142,6 +142,8 @@ def test_vespo_kernel_is_one_on_policy_peaks_at_k_over_lambda_and_vanishes_far_a
         assert phi(peak) > max(phi(peak * 0.9), phi(peak * 1.1), 1.0)  # its maximum, above the on-policy weight
         assert phi(peak) == pytest.approx(math.exp(lam + k * math.log(peak) - k))
         assert phi(1e-4) < 1e-6 and phi(20.0) < 1e-6  # a sequence far from pi_old, either way, gets no gradient
+        floor = math.exp(lam + k * math.log(1e-8) - lam * 1e-8)  # as TRL, log W is bounded below at log 1e-8
+        assert phi(1e-12) == pytest.approx(floor, rel=1e-9, abs=0) and floor > 0
 
 
 def test_cispo_keeps_every_token_in_the_gradient_where_ppo_drops_clipped_ones():

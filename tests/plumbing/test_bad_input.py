@@ -125,7 +125,9 @@ FLAGS = [
     (["--rollout-correction-max", "5"], "bound the weight of --rollout-correction, which is off"),
     (["--algo", "cispo", "--importance-sampling-level", "sequence"], "CISPO weights each token"),
     (["--algo", "gmpo", "--importance-sampling-level", "token"], "GMPO's weight is one per sequence"),
-    (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures must be > 0"),
+    (["--algo", "sapo", "--sapo-tau-pos", "0"], "SAPO's temperatures (--sapo-tau-pos, --sapo-tau-neg) must be > 0"),
+    (["--algo", "grpo", "--kl-ratio-correction", "True", "--kl-in", "reward"],
+     "with --kl-in reward there is no KL term"),
     (["--algo", "vespo", "--importance-sampling-level", "sequence"], "VESPO computes its own weight"),
     (["--algo", "vespo", "--vespo-lambda-neg", "0"], "VESPO's kernel needs lambda > 0 and k >= 0"),
     (["--algo", "vespo", "--vespo-k-pos", "-1"], "VESPO's kernel needs lambda > 0 and k >= 0"),
@@ -268,7 +270,8 @@ def test_each_rule_admits_its_boundary_and_the_prompts_must_split_over_the_proce
     for kw in [dict(logprob_chunk=-1), dict(temperature=0.01), dict(algo="dapo", overlong_cache=64, max_new_tokens=64),
                dict(rollout_correction="token_mask", rollout_correction_min=0.5, rollout_correction_max=0.6),
                dict(advantage_estimator="maxrl"), dict(num_prompts=8),
-               dict(algo="cispo", surrogate="vespo"), dict(algo="gmpo", epsilon=1.0)]:  # epsilon 1: unread by VESPO
+               dict(algo="cispo", surrogate="vespo"), dict(algo="gmpo", epsilon=1.0),  # epsilon 1: unread by VESPO
+               dict(algo="grpo", kl_ratio_correction=True)]:  # (its KL term in the loss, as GRPO's)
         flags.validate(args(**kw))
     flags.validate(args(num_prompts=8, num_minibatches=1), world_size=4)
     # a KL setting with beta > 0, a preset's own value with beta 0, a SAPO temperature under SAPO, another estimator
@@ -301,6 +304,11 @@ EDGES = [  # (field, the value on the edge: accepted, the value just past it: re
     ("wandb_tags", ("x",), ("",), {}), ("lora_rank", 0, -1, {}), ("lora_alpha", 1e-12, 0.0, dict(lora_rank=4)),
     ("rollout_correction_max", 1e-12, 0.0, dict(rollout_correction="token_truncate")),
     ("rollout_correction_min", 0.999, 1.0, dict(rollout_correction="token_mask", rollout_correction_max=1.0)),
+    # the objective's own bounds (losses.check_config)
+    ("top_entropy_quantile", 1.0, 1.001, {}), ("top_entropy_quantile", 1e-12, 0.0, {}),
+    ("clip_ratio_c", 1.001, 1.0, {}),
+    ("sapo_tau_pos", 1e-12, 0.0, dict(algo="sapo")), ("sapo_tau_neg", 1e-12, 0.0, dict(algo="sapo")),
+    ("vespo_lambda_pos", 1e-12, 0.0, dict(algo="vespo")), ("vespo_k_pos", 0.0, -1e-12, dict(algo="vespo")),
 ]
 
 
