@@ -78,6 +78,17 @@ def test_toy_batch_dr_grpo_with_its_own_advantages():
     assert loss == pytest.approx(0.03125, abs=1e-12)  # -(0.5*3 - 0.5*5 - 0.5*2 + 0.5*2) / (4*8)
 
 
+def test_the_presets_and_a_steps_normalisers_cannot_be_changed_in_place():
+    """The presets are shared by every run in a process (a sweep, the tests): a run takes a changed copy (replace),
+    and a step's normalisers are fixed for its micro-batches."""
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["grpo"].beta = 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        StepNorm(4, 20, 8).num_tokens = 1
+
+
 def test_a_step_of_one_token_divides_by_one():
     """The guards against an empty step (max(n, 1), clamp(min=1)) leave a count of one as it is: on-policy, DAPO's
     token-mean loss of a step with one valid token is -A, and the entropy bonus over one trained token is coef H."""

@@ -122,6 +122,26 @@ def test_luspo_and_vespo_equal_trl(shift):
         assert losses.ratio_diagnostics(logp, old, adv, mask, PRESETS["luspo"])["clip/seq_frac"] > 0
 
 
+def test_the_defaults_are_trl_1_16s():
+    """LossConfig's and AdaptiveEntropy's defaults are GRPOConfig's in TRL 1.16: epsilon (TRL's epsilon_high None
+    means epsilon), beta, SAPO's temperatures, VESPO's kernel, the 80/20 quantile, the entropy bonus and the adaptive
+    control's step and range (train.py's --entropy-target sets only its target)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    ours, control = losses.LossConfig(), losses.AdaptiveEntropy(0.0, 0.2)
+    assert trl["epsilon_high"] is None and (ours.epsilon, ours.epsilon_high, ours.beta) == \
+        (trl["epsilon"], trl["epsilon"], trl["beta"])
+    assert (ours.sapo_tau_pos, ours.sapo_tau_neg) == (trl["sapo_temperature_pos"], trl["sapo_temperature_neg"])
+    vespo = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    assert tuple(getattr(ours, k) for k in vespo) == tuple(trl[k] for k in vespo)
+    assert (ours.top_entropy_quantile, ours.entropy_coef) == (trl["top_entropy_quantile"], trl["entropy_coef"])
+    assert (control.delta, control.low, control.high) == \
+        (trl["entropy_coef_delta"], trl["entropy_coef_min"], trl["entropy_coef_max"])
+
+
 def test_luspo_is_gspo_with_each_sequence_counted_by_its_length():
     logp, old, adv, mask = batch(0.05, seed=5)
     for i in range(len(LENGTHS)):  # one sequence at a time: LUSPO's loss is |y_i| times GSPO's
