@@ -167,6 +167,8 @@ BOXED_CASES = [
     (r"\fbox{8}", "8", False),  # only \boxed counts
     (r"Find \boxed{x}: x = 8", "8", False),  # a box in an echoed prompt is still the last box
     (r"\boxed{" + "9" * 5000 + "}", "9" * 5000, True),  # huge: compared as plain text, no symbolic parse
+    (r"\boxed{" + "9" * 5000 + "}", "8", False),
+    (r"\boxed{9^{9^{9}}}", "42", False),  # absurd: text only, and not the reference's text
     ("lorem " * 20000 + r"\boxed{42}", "42", True),  # a very long output
     (r"\boxed{\text{(A)}}", "(A)", True),  # math-verify reads both as the choice A
     (r"\boxed{\text{(A)}}", "(B)", False),
@@ -202,9 +204,36 @@ def test_the_verifier_cannot_stall_on_absurd_answers():
 @pytest.mark.parametrize("answer,absurd", [("2^{10}", False), ("5!", False), ("(5)!", False), ("1000!", False),
                                            ("x^{2}+1", False), ("3\\!+\\!2", False), ("e^{i\\pi}", False),
                                            ("9^{9^9}", True), ("1001!", True), ("(10^{100})!", True),
-                                           ("10^{20000}", True), ("x!", True)])
+                                           ("10^{20000}", True), ("x!", True), ("9^9^9", True), ("2^10", False),
+                                           ("10^20000", True)])
 def test_absurd_magnitude(answer, absurd):
     assert rewards.absurd_magnitude(answer) is absurd
+
+
+def test_boxes_finds_every_box_in_order():
+    """Adjacent boxes, a space before a brace, an unbalanced last one: every box in order (format_ok counts them)."""
+    assert rewards.boxes(r"\boxed{1}\boxed{2}") == ["1", "2"]
+    assert rewards.boxes(r"\boxed {3} and \boxed{4") == ["3", None]
+
+
+def test_a_number_of_max_number_chars_characters_is_still_a_number():
+    """Up to MAX_NUMBER_CHARS characters an answer compares as a number (1e199 written out); past it, as text."""
+    from decimal import Decimal
+
+    edge = "1" + "0" * (rewards.MAX_NUMBER_CHARS - 1)
+    assert rewards.normalize(edge) == Decimal(10) ** 199 and rewards.normalize(edge + "0") == edge + "0"
+
+
+def test_a_long_answer_never_reaches_the_parser(monkeypatch):
+    """An answer over MAX_MATH_VERIFY_CHARS is compared as text only: math-verify's parser (seconds of sympy on it)
+    is never called."""
+    def parse(text):
+        raise AssertionError(f"parsed {len(text)} characters")
+
+    monkeypatch.setattr(rewards, "parse_math", parse)
+    long = "1+" * 600 + "1"
+    assert rewards.math_equal(long, "601") is False
+    assert not rewards.is_correct(r"\boxed{" + long + "}", "601", "boxed")
 
 
 def test_boxed_format_term():
