@@ -139,9 +139,10 @@ def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: st
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     stream, gen = runs.PromptStream(train_set, 0), torch.Generator().manual_seed(0)
     params = sum(p.numel() for p in policy.parameters())
-    rows, completions = [], 0
+    rows, rollouts, completions = [], 0, 0
     for step in range(steps + 1):
         batch, m = train.rl_step(policy, None, tokenizer, optimizer, scheduler, stream, loss_cfg, args, gen)
+        rollouts += m["dynamic/drawn"] // args.num_prompts  # P prompts drawn per rollout (more under dynamic sampling)
         completions += len(batch.ro.lengths)
         tokens = batch.ro.input_ids.numel()  # every position the update's forward and backward passes compute
         flops_per_token = 6 * params + (0 if batch.ro.sampler_logp is not None else 2 * params)  # + pi_old pass
@@ -150,7 +151,7 @@ def worker_ours(cfg: dict, steps: int, dtype: str, device: str, old_logprobs: st
                          "update_tok_s": tokens / m["perf/update_s"],
                          "update_flops": flops_per_token * tokens / m["perf/update_s"]})
     return {"rows": rows, "peak_rss_mb": peak_rss_mb(), "params": params,
-            "work": work(steps + 1, steps + 1, completions, scheduler.last_epoch),  # (one scheduler step per update)
+            "work": work(steps + 1, rollouts, completions, scheduler.last_epoch),  # (one scheduler step per update)
             **arithmetic(policy, autocast=models.compute_dtype(policy) == torch.bfloat16)}
 
 
